@@ -1,0 +1,70 @@
+"""shardkit: property-based state-machine testing for LLM shard engines.
+
+Where things live:
+
+- ``contract``  — the contract v1 vocabulary (SPEC §1) and the ``ShardEngine`` ABC.
+- ``model``     — ``ReferenceModel``, the pure model of the session lifecycle (SPEC §2).
+- ``checks``    — validation of engine outputs (SPEC §3 shape and range).
+- ``conformance`` — ``assert_shard_engine_contract``, the quick static contract.
+- ``engines/``  — the bundled engines: ``FakeShardEngine``, the deterministic fixture.
+- ``errors``    — ``ShardkitError`` and its subclasses.
+
+Import public names from ``shardkit`` itself; module paths may move.
+"""
+
+from ._version import __version__ as __version__
+from .conformance import assert_shard_engine_contract as assert_shard_engine_contract
+from .contract import BoundaryBundle as BoundaryBundle
+from .contract import CacheResult as CacheResult
+from .contract import DecodeRequest as DecodeRequest
+from .contract import EngineCapabilities as EngineCapabilities
+from .contract import EngineError as EngineError
+from .contract import EngineTensor as EngineTensor
+from .contract import Fault as Fault
+from .contract import FaultInjectable as FaultInjectable
+from .contract import HealthResult as HealthResult
+from .contract import LoadRequest as LoadRequest
+from .contract import LoadResult as LoadResult
+from .contract import MetricsResult as MetricsResult
+from .contract import PrefillRequest as PrefillRequest
+from .contract import ShardEngine as ShardEngine
+from .contract import StatusCode as StatusCode
+from .contract import StepResult as StepResult
+from .contract import StructuredStatus as StructuredStatus
+from .contract import TokenOutput as TokenOutput
+from .engines import FakeShardEngine as FakeShardEngine
+from .engines import FakeShardEngineConfig as FakeShardEngineConfig
+from .errors import ContractViolation as ContractViolation
+from .errors import InvalidTarget as InvalidTarget
+from .errors import ShardkitError as ShardkitError
+from .model import Prediction as Prediction
+from .model import ReferenceModel as ReferenceModel
+
+__all__ = [
+    "BoundaryBundle",
+    "CacheResult",
+    "ContractViolation",
+    "DecodeRequest",
+    "EngineCapabilities",
+    "EngineError",
+    "EngineTensor",
+    "FakeShardEngine",
+    "FakeShardEngineConfig",
+    "Fault",
+    "FaultInjectable",
+    "HealthResult",
+    "InvalidTarget",
+    "LoadRequest",
+    "LoadResult",
+    "MetricsResult",
+    "Prediction",
+    "PrefillRequest",
+    "ReferenceModel",
+    "ShardEngine",
+    "ShardkitError",
+    "StatusCode",
+    "StepResult",
+    "StructuredStatus",
+    "TokenOutput",
+    "assert_shard_engine_contract",
+]

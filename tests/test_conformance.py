@@ -1,0 +1,61 @@
+"""assert_shard_engine_contract: passes on the fake, names the right check on broken engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit import ContractViolation, FakeShardEngine, ShardkitError, assert_shard_engine_contract
+from shardkit.conformance import CONTRACT_CHECKS
+
+from .planted import PLANTED, PlantedEngine
+
+CAUGHT_BY_CONTRACT = [engine for engine in PLANTED if engine.CONTRACT_CHECK is not None]
+
+
+def test_the_fake_passes_the_contract() -> None:
+    assert_shard_engine_contract(FakeShardEngine)
+
+
+def test_at_least_five_planted_engines_are_meant_for_the_contract() -> None:
+    assert len(CAUGHT_BY_CONTRACT) >= 5
+    names = {check.name for check in CONTRACT_CHECKS}
+    assert {engine.CONTRACT_CHECK for engine in CAUGHT_BY_CONTRACT} <= names
+
+
+@pytest.mark.parametrize("engine", CAUGHT_BY_CONTRACT, ids=lambda engine: engine.__name__)
+def test_a_broken_engine_fails_the_contract_naming_the_right_check(engine: type[PlantedEngine]) -> None:
+    with pytest.raises(ContractViolation) as raised:
+        assert_shard_engine_contract(engine)
+    violation = raised.value
+    assert engine.CONTRACT_CHECK in violation.failed_checks
+    assert f"[{engine.CONTRACT_CHECK}]" in str(violation)
+    assert "expected" in str(violation)
+    assert "observed" in str(violation)
+
+
+def test_a_violation_is_an_assertion_error_and_a_shardkit_error() -> None:
+    with pytest.raises(AssertionError):
+        assert_shard_engine_contract(CAUGHT_BY_CONTRACT[0])
+    assert issubclass(ContractViolation, ShardkitError)
+
+
+def test_the_message_shows_the_call_the_rule_and_both_answers() -> None:
+    from .planted import StaleEpochAccepted
+
+    with pytest.raises(ContractViolation) as raised:
+        assert_shard_engine_contract(StaleEpochAccepted)
+    message = str(raised.value)
+    assert "decode(session='a', epoch=0, step=1" in message
+    assert "expected ABORTED/MISS by §2 rule 4" in message
+    assert "observed OK/HIT" in message
+
+
+def test_an_engine_that_raises_is_reported_not_crashed_on() -> None:
+    class Exploding(FakeShardEngine):
+        def release(self, session_id: str) -> object:  # type: ignore[override]
+            raise RuntimeError("segfault-ish")
+
+    with pytest.raises(
+        ContractViolation, match=r"\[release then decode is NOT_FOUND\] the engine raised RuntimeError: segfault-ish"
+    ):
+        assert_shard_engine_contract(Exploding)

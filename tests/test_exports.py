@@ -1,0 +1,59 @@
+"""The public surface: ``shardkit.__all__`` is exactly the documented names, nothing private leaks."""
+
+from __future__ import annotations
+
+import shardkit
+
+# SPEC §1, plus the names the foundation and state-machine issues add (README "Public API").
+SPEC_VOCABULARY = {
+    "StatusCode",
+    "CacheResult",
+    "StructuredStatus",
+    "EngineError",
+    "LoadRequest",
+    "LoadResult",
+    "EngineCapabilities",
+    "EngineTensor",
+    "BoundaryBundle",
+    "TokenOutput",
+    "PrefillRequest",
+    "DecodeRequest",
+    "StepResult",
+    "HealthResult",
+    "MetricsResult",
+    "ShardEngine",
+    "Fault",
+    "FaultInjectable",
+}
+KIT = {
+    "FakeShardEngine",
+    "FakeShardEngineConfig",
+    "ReferenceModel",
+    "Prediction",
+    "assert_shard_engine_contract",
+    "ShardkitError",
+    "InvalidTarget",
+    "ContractViolation",
+}
+DOCUMENTED = SPEC_VOCABULARY | KIT
+
+
+def test_all_is_exactly_the_documented_public_names() -> None:
+    assert set(shardkit.__all__) == DOCUMENTED
+    assert len(shardkit.__all__) == len(set(shardkit.__all__)), "a name is listed twice"
+
+
+def test_every_listed_name_exists() -> None:
+    for name in shardkit.__all__:
+        assert getattr(shardkit, name) is not None
+
+
+def test_nothing_private_is_exported() -> None:
+    assert not [name for name in shardkit.__all__ if name.startswith("_")]
+
+
+def test_the_package_has_a_version_and_ships_types() -> None:
+    from importlib.resources import files
+
+    assert shardkit.__version__
+    assert files("shardkit").joinpath("py.typed").is_file()
