@@ -6,6 +6,13 @@ Where things live:
 - ``model``     — ``ReferenceModel``, the pure model of the session lifecycle (SPEC §2).
 - ``checks``    — validation of engine outputs (SPEC §3 shape and range).
 - ``conformance`` — ``assert_shard_engine_contract``, the quick static contract.
+- ``steps``     — concrete steps (``Action``) and the requests they stand for.
+- ``driver``    — runs steps against an engine and the model, with every check.
+- ``twins``     — the twin oracle: fresh engines replaying one session's history.
+- ``faults``    — fault injection at an engine's boundary (SPEC §4).
+- ``machine``   — the Hypothesis state machine and ``machine_for``.
+- ``runner``, ``report``, ``trace`` — one fuzzing run, its summary, its trace file.
+- ``cli``       — the ``shardkit`` command, a thin adapter over the above.
 - ``engines/``  — the bundled engines: ``FakeShardEngine``, the deterministic fixture.
 - ``errors``    — ``ShardkitError`` and its subclasses.
 
@@ -37,10 +44,14 @@ from .engines import FakeShardEngineConfig as FakeShardEngineConfig
 from .errors import ContractViolation as ContractViolation
 from .errors import InvalidTarget as InvalidTarget
 from .errors import ShardkitError as ShardkitError
+from .machine import ShardMachine as ShardMachine
+from .machine import machine_for as machine_for
 from .model import Prediction as Prediction
 from .model import ReferenceModel as ReferenceModel
+from .steps import Action as Action
 
 __all__ = [
+    "Action",
     "BoundaryBundle",
     "CacheResult",
     "ContractViolation",
@@ -61,10 +72,12 @@ __all__ = [
     "PrefillRequest",
     "ReferenceModel",
     "ShardEngine",
+    "ShardMachine",
     "ShardkitError",
     "StatusCode",
     "StepResult",
     "StructuredStatus",
     "TokenOutput",
     "assert_shard_engine_contract",
+    "machine_for",
 ]

@@ -34,6 +34,9 @@ KIT = {
     "ShardkitError",
     "InvalidTarget",
     "ContractViolation",
+    "ShardMachine",
+    "machine_for",
+    "Action",
 }
 DOCUMENTED = SPEC_VOCABULARY | KIT
 

@@ -1,0 +1,5 @@
+"""``python -m shardkit`` is the ``shardkit`` command."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,422 @@
+"""The Hypothesis state machine: draws steps, hands them to the driver.
+
+Every rule draws at most three small integers, with 0 the simplest choice,
+and derives the concrete step from them and the model's state at run time
+(which live session, which chunk, which epoch). That keeps each step a few
+choices long, so Hypothesis's shrinker can delete whole steps (SHRINKING.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from hypothesis.strategies import SearchStrategy
+
+from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineError, LoadRequest, Role
+from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
+from .errors import ShardkitError
+from .model import ReferenceModel
+from .steps import Action, malformations_for, step_action
+from .targets import EngineFactory, ResolvedTarget, resolve_target
+
+__all__ = [
+    "ROLES",
+    "Choice",
+    "FailureReport",
+    "RunStats",
+    "ShardMachine",
+    "layer_range",
+    "machine_for",
+    "parse_faults",
+    "step_rule",
+]
+
+ROLES: tuple[Role, ...] = ("full", "head", "tail", "middle")
+#: Realistic ids: short and long, non-ASCII, sharing prefixes, with separators.
+SESSION_IDS = ("a", "b", "req-0001", "req-0001/retry", "sess-é-日本語", "x" * 200, "a b", "req-00010")
+CHUNK_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 64)
+LIVE_CHOICES = 6
+EPOCH_JUMPS = (1, 2, 1000, 2**62)
+STEP_DELTAS = (1, 2, -2, 2**62)
+DELAYS = (0.0, 0.001, 0.002, 0.005)
+BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
+
+settings.register_profile(
+    "shardkit-ci",
+    derandomize=True,
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "shardkit-dev", max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "shardkit-nightly",
+    max_examples=5000,
+    stateful_step_count=100,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One rule as Hypothesis drew it: the rule's name and its small integers."""
+
+    rule: str
+    arguments: tuple[tuple[str, int], ...]
+
+    def describe(self) -> str:
+        return f"{self.rule}({', '.join(f'{name}={value}' for name, value in self.arguments)})"
+
+
+@dataclass
+class FailureReport:
+    """A failing example: its violation, the steps the driver recorded, and the
+    drawn choices (layout and rules) that replay it without Hypothesis."""
+
+    violation: Violation
+    records: list[StepRecord]
+    load_request: LoadRequest
+    faults: frozenset[str]
+    layout: int = 0
+    choices: tuple[Choice, ...] = ()
+
+
+def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``@rule`` that also records the drawn arguments, so the minimiser can replay
+    the rule without Hypothesis. Use it for the rules you add; keep the
+    strategies small integers with 0 the simplest choice (SHRINKING.md)."""
+
+    def decorate(function: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(function)
+        def record_then_run(self: ShardMachine, **arguments: int) -> None:
+            self.choices.append(Choice(function.__name__, tuple(arguments.items())))
+            function(self, **arguments)
+
+        decorated: Callable[..., None] = rule(**strategies)(record_then_run)  # type: ignore[call-overload]
+        return decorated
+
+    return decorate
+
+
+@dataclass
+class RunStats:
+    """Counters shared by every example of one machine class."""
+
+    examples: int = 0
+    steps: int = 0
+    coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
+    failure: FailureReport | None = None
+
+
+def coverage_op(action: Action) -> str:
+    """The operation a step exercises: a call to a never-loaded engine counts as that call."""
+    return str(action.args["call"]) if action.op == "unloaded" else action.op
+
+
+def layer_range(role: Role, total_layers: int, choice: int) -> tuple[int, int]:
+    """A layer range of ``role``, the ``choice``-th of those that exist (0 = the widest)."""
+    last = total_layers - 1
+    if role == "full":
+        return 0, last
+    if role == "head":
+        return 0, last - 1 - choice % last
+    if role == "tail":
+        return 1 + choice % last, last
+    pairs = [(start, end) for start in range(1, last) for end in range(last - 1, start - 1, -1)]
+    return pairs[choice % len(pairs)]
+
+
+def roles_for(total_layers: int) -> tuple[Role, ...]:
+    minimum = {"full": 1, "head": 2, "tail": 2, "middle": 3}
+    return tuple(role for role in ROLES if total_layers >= minimum[role])
+
+
+def loadable_roles(target: ResolvedTarget, total_layers: int) -> tuple[Role, ...]:
+    """The roles whose widest layer range a fresh engine from ``target`` agrees to load."""
+    roles: list[Role] = []
+    for role in roles_for(total_layers):
+        start, end = layer_range(role, total_layers, 0)
+        try:
+            loaded = target().load(LoadRequest("shardkit-fuzz", start, end, total_layers))
+        except EngineError:
+            continue
+        if loaded.status.ok:
+            roles.append(role)
+    return tuple(roles)
+
+
+def parse_faults(faults: bool | str | Iterable[str]) -> frozenset[str]:
+    """``True``/"all", ``False``/"none", or kinds (a list or "delay,crash")."""
+    if faults is True or faults == "all":
+        return frozenset(FAULT_KINDS)
+    if faults is False or faults == "none":
+        return frozenset()
+    kinds = [kind.strip() for kind in faults.split(",")] if isinstance(faults, str) else list(faults)
+    unknown = [kind for kind in kinds if kind not in FAULT_KINDS]
+    if unknown or not kinds:
+        message = f"faults must be 'all', 'none' or a comma-separated list of {', '.join(FAULT_KINDS)}; got {faults!r}"
+        raise ValueError(message)
+    return frozenset(kinds)
+
+
+class ShardMachine(RuleBasedStateMachine):
+    """Base of every machine ``machine_for`` builds; subclass it to add rules."""
+
+    target: ClassVar[ResolvedTarget]
+    role: ClassVar[Role | None] = None
+    fault_kinds: ClassVar[frozenset[str]] = frozenset()
+    use_twins: ClassVar[bool] = True
+    model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel
+    #: Operations a backend adds; subclasses list them here (see CustomOp).
+    custom_ops: ClassVar[Mapping[str, CustomOp]] = {}
+    total_layers: ClassVar[int] = 1
+    roles: ClassVar[tuple[Role, ...]] = ("full",)
+    stats: RunStats  # shared by the class's examples; the minimiser gives its instances their own
+
+    driver: Driver
+
+    @initialize(layout=st.integers(0, 15))
+    def load_engine(self, layout: int) -> None:
+        self.layout = layout
+        self.choices: list[Choice] = []
+        roles = self.roles if self.role is None else (self.role,)
+        role = roles[layout % len(roles)]
+        start, end = layer_range(role, self.total_layers, layout // len(roles))
+        request = LoadRequest("shardkit-fuzz", start, end, self.total_layers)
+        self.driver = Driver(
+            self.target,
+            request,
+            faults=self.fault_kinds,
+            twins=self.use_twins,
+            model_factory=type(self).model_factory,
+            custom_ops=self.custom_ops,
+        )
+        self.stats.examples += 1
+
+    # --- helpers rules share -----------------------------------------------------------
+
+    def run(self, action: Action) -> StepRecord:
+        """Execute ``action``, counting coverage and keeping the failure, if any."""
+        stats = self.stats
+        stats.steps += 1
+        try:
+            record = self.driver.execute(action)
+        except StepFailed as failure:
+            stats.coverage[(coverage_op(action), "FAILED")] += 1
+            stats.failure = FailureReport(
+                failure.violation,
+                list(self.driver.records),
+                self.driver.load_request,
+                self.fault_kinds,
+                self.layout,
+                tuple(self.choices),
+            )
+            raise
+        stats.coverage[(coverage_op(action), record.outcome)] += 1
+        if currently_in_test_context():
+            event(f"{coverage_op(action)}→{record.outcome}")
+        return record
+
+    def session_id(self, choice: int) -> str:
+        """Choices 0-5 pick a live session (0 is the oldest), 6-7 an id the engine does
+        not know; with no live session every choice names an unknown id, 0 the first."""
+        live = list(self.driver.model.sessions)
+        unknown = [session for session in SESSION_IDS if session not in live]
+        if live and choice < LIVE_CHOICES:
+            return live[choice % len(live)]
+        return unknown[max(choice - LIVE_CHOICES, 0) % len(unknown) if live else choice % len(unknown)]
+
+    def position(self, session_id: str) -> tuple[int, int]:
+        """(epoch, next step) of a session, or (0, 0) for an unknown id."""
+        session = self.driver.model.sessions.get(session_id)
+        return (session.epoch, session.next_step) if session is not None else (0, 0)
+
+    def chunk(self, code: int) -> tuple[int, ...]:
+        """One integer names a chunk: its length, and tokens from the low or high end of the vocabulary."""
+        vocab = self.driver.caps.vocab_size
+        length = CHUNK_LENGTHS[code % len(CHUNK_LENGTHS)]
+        if code // len(CHUNK_LENGTHS) == 0:
+            return tuple(index * 3 % vocab for index in range(length))
+        return tuple((vocab - 1 - index * 5) % vocab for index in range(length))
+
+    def token(self, code: int) -> int:
+        vocab = self.driver.caps.vocab_size
+        return (0, vocab - 1, 1, 2, 3, 5, 8, 13)[code % 8] % vocab
+
+    # --- session rules -------------------------------------------------------------------
+
+    @step_rule(session=st.integers(0, 7), chunk=st.integers(0, 15))
+    def prefill(self, session: int, chunk: int) -> None:
+        """Prefill the next chunk (opening an unknown id at epoch 0)."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        self.run(step_action("prefill", sid, epoch, step, self.chunk(chunk)))
+
+    @step_rule(session=st.integers(0, 7), token=st.integers(0, 7))
+    def decode(self, session: int, token: int) -> None:
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        self.run(step_action("decode", sid, epoch, step, (self.token(token),)))
+
+    @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))
+    def resend(self, session: int, back: int) -> None:
+        """Send an earlier request again exactly, as a network duplicate would (0 = the last one)."""
+        sent = self.driver.log(self.session_id(session)).sent
+        if sent:
+            earlier = sent[-1 - back % len(sent)]
+            self.run(Action(earlier.op, earlier.args, note="resent"))
+
+    @step_rule(session=st.integers(0, 7), jump=st.integers(0, 3), chunk=st.integers(0, 15))
+    def restart(self, session: int, jump: int, chunk: int) -> None:
+        """Prefill step 0 at a higher epoch (an unknown id opens there)."""
+        sid = self.session_id(session)
+        known = sid in self.driver.model.sessions
+        epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else EPOCH_JUMPS[jump]
+        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk), note="epoch bump"))
+
+    @step_rule(session=st.integers(0, 7), higher=st.integers(0, 1), op=st.integers(0, 1))
+    def wrong_epoch(self, session: int, higher: int, op: int) -> None:
+        """Prefill or decode at the next step but an epoch below (stale) or above the
+        session's; a stale request at epoch 0 cannot exist, so it goes above instead."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        if higher or epoch == 0:
+            epoch, note = min(epoch + 1, EPOCH_STEP_LIMIT - 1), "epoch ahead"
+        else:
+            epoch, note = epoch - 1, "stale epoch"
+        self.run(step_action(("prefill", "decode")[op], sid, epoch, step, (self.token(0),), note=note))
+
+    @step_rule(session=st.integers(0, 7), epoch_choice=st.integers(0, 3))
+    def cancel(self, session: int, epoch_choice: int) -> None:
+        """Cancel at the session's epoch, one below (maybe -1), one above, or with an empty id."""
+        sid = self.session_id(session)
+        epoch = self.position(sid)[0] + (0, -1, 1, 0)[epoch_choice]
+        self.run(Action("cancel", {"session": "" if epoch_choice == 3 else sid, "epoch": epoch}))
+
+    @step_rule(session=st.integers(0, 7))
+    def release(self, session: int) -> None:
+        self.run(Action("release", {"session": self.session_id(session)}))
+
+    @step_rule(session=st.integers(0, 7), delta=st.integers(0, 3), op=st.integers(0, 1))
+    def misstep(self, session: int, delta: int, op: int) -> None:
+        """A request whose step skips ahead or goes back."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        target_step = min(max(0, step + STEP_DELTAS[delta]), EPOCH_STEP_LIMIT - 1)
+        self.run(step_action(("prefill", "decode")[op], sid, epoch, target_step, (self.token(0),), note="out of order"))
+
+    @step_rule(session=st.integers(0, 7), kind=st.integers(0, 15), op=st.integers(0, 1))
+    def malformed(self, session: int, kind: int, op: int) -> None:
+        """A request that breaks one clause of §2 rule 2."""
+        names = malformations_for(self.driver.caps)
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        name = ("prefill", "decode")[op]
+        self.run(step_action(name, sid, epoch, step, (self.token(0),), malformed=names[kind % len(names)]))
+
+    @step_rule(call=st.integers(0, 5))
+    def probe(self, call: int) -> None:
+        """health() of the engine (0), or a call to a fresh engine never loaded: rule 1."""
+        if call == 0:
+            self.run(Action("health"))
+            return
+        name = BEFORE_LOAD_CALLS[call - 1]
+        args: dict[str, Any] = {"call": name, "session": "a"}
+        if name in ("prefill", "decode"):
+            args.update(epoch=0, step=0, tokens=(0,))
+        self.run(Action("unloaded", args))
+
+
+# --- the fault rule, added to a machine only when it injects some kind -------------------
+
+
+@step_rule(kind=st.integers(0, 3), value=st.integers(0, 15))
+def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
+    """One rule for every fault kind, so faults stay a small share of the steps.
+
+    ``value`` is relative to the model's state where that matters: memory
+    pressure lowers the limit to the tokens in use plus ``value`` (never raises it).
+    """
+    kinds = [name for name in FAULT_KINDS if name in self.fault_kinds]
+    chosen = kinds[kind % len(kinds)]
+    if chosen == "delay":
+        amount = DELAYS[value % len(DELAYS)]
+    elif chosen == "memory_pressure":
+        model = self.driver.model
+        amount = float(min(model.max_kv_tokens, model.kv_tokens + value))
+    elif chosen == "crash":
+        amount = float(value % 4 + 1)
+    else:
+        amount = 0.0
+    self.run(Action("fault", {"kind": chosen, "value": amount}))
+
+
+def machine_for(
+    target_or_factory: str | EngineFactory | ResolvedTarget,
+    *,
+    role: Role | str | None = None,
+    faults: bool | str | Iterable[str] = True,
+    twins: bool = True,
+    model: Callable[[], ReferenceModel] = ReferenceModel,
+    base: type[ShardMachine] = ShardMachine,
+    name: str | None = None,
+) -> type[ShardMachine]:
+    """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
+
+    ``role`` pins the shard role (None or "any" draws one per example); ``faults``
+    is True/"all", False/"none" or a list of kinds; ``twins`` turns the twin
+    oracle on; ``model`` builds the reference model (subclass it to extend the
+    rules, see stateful/test_extending_rules.py); ``base`` is the machine class to
+    extend with the fault rules.
+    """
+    target = resolve_target(target_or_factory)
+    if role == "any":
+        role = None
+    if role is not None and role not in ROLES:
+        message = f"role must be one of {', '.join(ROLES)} or 'any', got {role!r}"
+        raise ValueError(message)
+    probe = target()
+    caps = probe.capabilities()
+    loadable = loadable_roles(target, caps.total_layers)
+    if role is not None and role not in loadable:
+        message = f"{target.name} cannot serve a {role} shard (it serves: {', '.join(loadable) or 'nothing'})"
+        raise ShardkitError(message)
+    if not loadable:
+        message = f"{target.name} refused to load even its whole range of {caps.total_layers} layers"
+        raise ShardkitError(message)
+    wanted = parse_faults(faults)
+    native, boundary = usable_faults(caps, probe, wanted)
+    unusable = wanted - native - boundary
+    if unusable and not (faults is True or faults == "all"):
+        message = (
+            f"{target.name} cannot take the fault(s) {sorted(unusable)}: not in its supported_faults "
+            f"{sorted(caps.supported_faults)} and not injectable at its boundary"
+        )
+        raise ShardkitError(message)
+    namespace: dict[str, Any] = {
+        "target": target,
+        "role": role,
+        "fault_kinds": native | boundary,
+        "use_twins": twins,
+        "model_factory": staticmethod(model),
+        "total_layers": caps.total_layers,
+        "roles": loadable,
+        "stats": RunStats(),
+        **({"inject_fault": inject_fault} if native | boundary else {}),
+    }
+    class_name = name or f"ShardMachine_{target.name.rpartition(':')[2]}_{role or 'any'}"
+    return type(class_name, (base,), namespace)

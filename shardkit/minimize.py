@@ -1,0 +1,163 @@
+"""Second-stage minimisation (SHRINKING.md, "Beyond Hypothesis's shrinker").
+
+After Hypothesis stops, the failing example is replayed without Hypothesis and
+made smaller while the *same* property is still violated:
+
+1. on the drawn choices — delete runs of rules (halves, quarters, … single
+   ones), then lower each small integer towards 0 — re-deriving every concrete
+   step from the model's state, so later steps renumber themselves;
+2. on the concrete steps themselves, the form a trace replays — delete runs
+   again, down to single steps, until no single deletion keeps the failure.
+
+The result is 1-minimal under trace replay by construction, unless the replay
+budget ran out first (``MinimizedFailure.one_minimal`` says which).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .driver import Driver, StepFailed
+from .machine import Choice, FailureReport, RunStats, ShardMachine
+from .steps import Action
+
+__all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class MinimizedFailure:
+    report: FailureReport
+    replays: int
+    seconds: float
+    one_minimal: bool
+
+
+class _Budget:
+    def __init__(self, max_replays: int, max_seconds: float) -> None:
+        self.max_replays = max_replays
+        self.deadline = time.monotonic() + max_seconds
+        self.replays = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.replays >= self.max_replays or time.monotonic() > self.deadline
+
+
+def replay_actions(
+    machine: type[ShardMachine], failure: FailureReport, actions: Sequence[Action]
+) -> FailureReport | None:
+    """Run ``actions`` on a fresh engine; the failure they end in, if any."""
+    driver = Driver(
+        machine.target,
+        failure.load_request,
+        faults=failure.faults,
+        twins=machine.use_twins,
+        model_factory=machine.model_factory,
+        custom_ops=machine.custom_ops,
+    )
+    for action in actions:
+        try:
+            driver.execute(action)
+        except StepFailed as failed:
+            return FailureReport(failed.violation, list(driver.records), failure.load_request, failure.faults)
+    return None
+
+
+def _replay_choices(
+    machine: type[ShardMachine], failure: FailureReport, choices: Sequence[Choice]
+) -> FailureReport | None:
+    instance = machine()
+    instance.stats = RunStats()  # minimisation is not part of the run's figures
+    try:
+        instance.load_engine(layout=failure.layout)
+        for choice in choices:
+            getattr(instance, choice.rule)(**dict(choice.arguments))
+    except StepFailed:
+        return instance.stats.failure
+    return None
+
+
+def _delete_runs(items: list[T], still_fails: Callable[[list[T]], bool], budget: _Budget) -> tuple[list[T], bool]:
+    """Delete runs of halving length, then single items until none can go.
+    Returns the smaller list and whether it is 1-minimal (no single deletion fails)."""
+    chunk = max(len(items) // 2, 1)
+    while True:
+        changed = False
+        start = 0
+        while start < len(items):
+            if budget.exhausted:
+                return items, False
+            candidate = items[:start] + items[start + chunk :]
+            if candidate and still_fails(candidate):
+                items, changed = candidate, True
+            else:
+                start += chunk
+        if chunk == 1 and not changed:
+            return items, True
+        chunk = max(chunk // 2, 1)
+
+
+def _lower_arguments(
+    choices: list[Choice], still_fails: Callable[[list[Choice]], bool], budget: _Budget
+) -> list[Choice]:
+    """Lower each drawn integer to the smallest value that keeps the failure."""
+    changed = True
+    while changed and not budget.exhausted:
+        changed = False
+        for index, choice in enumerate(choices):
+            for position, (name, value) in enumerate(choice.arguments):
+                for smaller in range(value):
+                    if budget.exhausted:
+                        return choices
+                    arguments = list(choice.arguments)
+                    arguments[position] = (name, smaller)
+                    candidate = [*choices[:index], Choice(choice.rule, tuple(arguments)), *choices[index + 1 :]]
+                    if still_fails(candidate):
+                        choices, choice, changed = candidate, candidate[index], True
+                        break
+    return choices
+
+
+def minimize_failure(
+    machine: type[ShardMachine], failure: FailureReport, *, max_replays: int = 5000, max_seconds: float = 60.0
+) -> MinimizedFailure:
+    """The smallest failure of the same property that replay can reach from ``failure``."""
+    started = time.monotonic()
+    budget = _Budget(max_replays, max_seconds)
+    target = failure.violation.property
+    best = failure
+
+    def choices_fail(choices: list[Choice]) -> bool:
+        nonlocal best
+        budget.replays += 1
+        found = _replay_choices(machine, failure, choices)
+        if found is None or found.violation.property != target:
+            return False
+        if len(found.records) <= len(best.records):
+            best = found
+        return True
+
+    if failure.choices and choices_fail(list(failure.choices)):
+        choices, _ = _delete_runs(list(failure.choices), choices_fail, budget)
+        _lower_arguments(choices, choices_fail, budget)
+
+    def actions_fail(actions: list[Action]) -> bool:
+        nonlocal best
+        budget.replays += 1
+        found = replay_actions(machine, failure, actions)
+        if found is None or found.violation.property != target:
+            return False
+        if len(found.records) <= len(best.records):
+            best = found
+        return True
+
+    one_minimal = False
+    actions = [record.action for record in best.records]
+    if actions_fail(actions):
+        _, one_minimal = _delete_runs(actions, actions_fail, budget)
+    return MinimizedFailure(best, budget.replays, time.monotonic() - started, one_minimal)

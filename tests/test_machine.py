@@ -1,0 +1,160 @@
+"""The state machine finds each planted bug, names the rule it breaks, and shrinks it to the minimum."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from shardkit import FakeShardEngine, ShardkitError, machine_for
+from shardkit.runner import fuzz
+
+from .planted import PLANTED, PlantedEngine
+
+#: Every outcome SPEC §2 allows for each operation (UNAVAILABLE comes from calls
+#: to a never-loaded engine; fault injections answer OK).
+ALLOWED_OUTCOMES = {
+    "prefill": {
+        "OK",
+        "UNAVAILABLE",
+        "INVALID_ARGUMENT",
+        "FAILED_PRECONDITION",
+        "NOT_FOUND",
+        "ABORTED",
+        "CANCELLED",
+        "RESOURCE_EXHAUSTED",
+    },
+    "decode": {
+        "OK",
+        "UNAVAILABLE",
+        "INVALID_ARGUMENT",
+        "FAILED_PRECONDITION",
+        "NOT_FOUND",
+        "ABORTED",
+        "CANCELLED",
+        "RESOURCE_EXHAUSTED",
+    },
+    "cancel": {"OK", "UNAVAILABLE", "INVALID_ARGUMENT", "NOT_FOUND", "ABORTED"},
+    "release": {"OK", "UNAVAILABLE"},
+    "health": {"OK"},
+    "fault": {"OK"},
+}
+
+
+@pytest.mark.parametrize("engine", PLANTED, ids=lambda engine: engine.__name__)
+def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(engine: type[PlantedEngine]) -> None:
+    result = fuzz(engine, seed=3, examples=200, steps=50, role=engine.ROLE)
+    assert result.failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
+    violation = result.failure.violation
+    assert violation.property.startswith(engine.PROPERTY), violation.message
+    steps = [record.action.describe() for record in result.failure.records]
+    # The minimum is stated next to each engine (tests/planted), e.g. 2 steps for a leak on release.
+    assert len(steps) == len(engine.MINIMAL), f"shrunk to {steps}, minimum is {engine.MINIMAL}"
+
+
+def test_a_failure_message_names_the_step_the_call_and_the_rule() -> None:
+    from .planted import StaleEpochAccepted
+
+    result = fuzz(StaleEpochAccepted, seed=3, examples=200, steps=50, role="full")
+    assert result.failure is not None
+    message = result.failure.violation.message
+    assert message.startswith("step 2: prefill(session='a', epoch=0, step=1, tokens=[0])")
+    assert "expected: ABORTED/MISS by §2 rule 4: epoch 0 is stale: session 'a' is at epoch 1" in message
+    assert "observed: OK/HIT" in message
+
+
+@pytest.mark.parametrize("role", ["full", "head", "middle", "tail"])
+def test_the_fake_is_not_flagged_in_any_role_with_every_fault(role: str) -> None:
+    result = fuzz(FakeShardEngine, seed=11, examples=100, steps=50, role=role, faults="all")
+    assert result.failure is None, result.failure and result.failure.violation.message
+
+
+def test_every_allowed_outcome_is_reached_under_the_ci_profile() -> None:
+    machine = machine_for(FakeShardEngine, role="full", faults="all")
+    run_state_machine_as_test(machine, settings=settings(settings.get_profile("shardkit-ci"), database=None))
+    reached: dict[str, set[str]] = {}
+    for op, outcome in machine.stats.coverage:
+        reached.setdefault(op, set()).add(outcome)
+    missing = {op: sorted(outcomes - reached.get(op, set())) for op, outcomes in ALLOWED_OUTCOMES.items()}
+    assert not any(missing.values()), f"never reached: {missing}"
+    assert "FAILED" not in {outcome for outcomes in reached.values() for outcome in outcomes}
+
+
+def test_an_undetected_malformed_output_is_a_failure_of_the_kit() -> None:
+    """If the engine 'corrupts' an output into an identical one, the kit must say its checks missed it."""
+
+    class CorruptsNothing(FakeShardEngine):
+        def inject_fault(self, fault):  # type: ignore[no-untyped-def]
+            if fault.kind == "malformed_output":
+                from shardkit import StatusCode, StructuredStatus
+
+                return StructuredStatus(StatusCode.OK)
+            return super().inject_fault(fault)
+
+    result = fuzz(CorruptsNothing, seed=3, examples=200, steps=50, role="full", faults="malformed_output")
+    assert result.failure is not None
+    assert result.failure.violation.property == "§4 malformed_output"
+    assert len(result.failure.records) == 2
+
+
+def test_a_crash_that_does_not_happen_when_injected_is_reported() -> None:
+    class NeverCrashes(FakeShardEngine):
+        def inject_fault(self, fault):  # type: ignore[no-untyped-def]
+            from shardkit import StatusCode, StructuredStatus
+
+            return StructuredStatus(StatusCode.OK)
+
+    result = fuzz(NeverCrashes, seed=3, examples=200, steps=50, role="full", faults="crash")
+    assert result.failure is not None
+    assert result.failure.violation.property == "§4 crash"
+
+
+def test_boundary_faults_are_injected_into_an_engine_that_supports_none() -> None:
+    class NoNativeFaults(FakeShardEngine):
+        def capabilities(self):  # type: ignore[no-untyped-def]
+            from dataclasses import replace
+
+            return replace(super().capabilities(), supported_faults=frozenset())
+
+    machine = machine_for(NoNativeFaults, role="full", faults="all")
+    assert machine.fault_kinds == {"delay", "malformed_output", "crash"}
+    result = fuzz(NoNativeFaults, seed=5, examples=100, steps=50, role="full", faults="all")
+    assert result.failure is None, result.failure and result.failure.violation.message
+    assert result.coverage[("prefill", "CRASH")] + result.coverage[("decode", "CRASH")] > 0
+
+
+def test_asking_for_a_fault_the_engine_cannot_take_is_an_error() -> None:
+    class NoNativeFaults(FakeShardEngine):
+        def capabilities(self):  # type: ignore[no-untyped-def]
+            from dataclasses import replace
+
+            return replace(super().capabilities(), supported_faults=frozenset())
+
+    with pytest.raises(ShardkitError, match=r"cannot take the fault\(s\) \['memory_pressure'\]"):
+        machine_for(NoNativeFaults, faults="memory_pressure")
+
+
+def test_a_role_the_engine_cannot_serve_is_an_error() -> None:
+    from shardkit import FakeShardEngineConfig
+
+    with pytest.raises(ShardkitError, match="cannot serve a middle shard"):
+        machine_for(lambda: FakeShardEngine(FakeShardEngineConfig(total_layers=2)), role="middle")
+
+
+def test_bad_machine_options_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="role must be one of full, head, tail, middle or 'any', got 'edge'"):
+        machine_for(FakeShardEngine, role="edge")
+    with pytest.raises(ValueError, match="faults must be 'all', 'none' or a comma-separated list"):
+        machine_for(FakeShardEngine, faults="flood")
+
+
+def test_the_same_seed_gives_the_same_failure_and_steps() -> None:
+    from .planted import SessionStateBleeds
+
+    first = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
+    second = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
+    assert first.failure is not None
+    assert second.failure is not None
+    assert first.failure.violation == second.failure.violation
+    assert [r.action for r in first.failure.records] == [r.action for r in second.failure.records]
+    assert (first.examples, first.steps, first.coverage) == (second.examples, second.steps, second.coverage)
