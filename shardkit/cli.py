@@ -18,7 +18,7 @@ from ._version import __version__
 from .contract import FAULT_KINDS
 from .errors import ContractViolation, InvalidTarget, ShardkitError
 from .machine import ROLES, parse_faults
-from .targets import DEFAULT_TARGET
+from .targets import DEFAULT_TARGET, resolve_target
 
 __all__ = ["main"]
 
@@ -115,11 +115,12 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     if args.report is not None and not args.report.parent.exists():
-        message = f"--report {args.report}: the folder {args.report.parent} does not exist"
+        message = f"shardkit fuzz: --report {args.report}: the folder {args.report.parent} does not exist"
         raise UsageError(message)
-    print(f"shardkit fuzz {args.target} --seed {seed}", flush=True)
+    target = resolve_target(args.target)
+    print(f"shardkit fuzz {target.name} --seed {seed}", flush=True)
     result = fuzz(
-        args.target,
+        target,
         seed=seed,
         examples=args.examples,
         steps=args.steps,
@@ -137,7 +138,6 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 def _contract(args: argparse.Namespace) -> int:
     from . import assert_shard_engine_contract
-    from .targets import resolve_target
 
     target = resolve_target(args.target)
     try:

@@ -138,8 +138,10 @@ class _SessionLog:
     """What the driver saw of one session id, beyond what the model predicts."""
 
     sent: list[Action] = field(default_factory=list)
-    last_result: StepResult | None = None
-    tainted: bool = False  # the last result carried an injected malformed output
+    #: The result observed for each accepted (epoch, step), which a retry must repeat.
+    results: dict[tuple[int, int], StepResult] = field(default_factory=dict)
+    #: Steps whose observed result carried an injected malformed output.
+    tainted: set[tuple[int, int]] = field(default_factory=set)
 
 
 class Driver:
@@ -284,7 +286,11 @@ class Driver:
             corrupted = self._check_output(request, predicted, result, log)
             if corrupted:
                 observed += " — the injected malformed output was detected"
-            log.last_result, log.tainted = result, corrupted
+            key = (request.epoch, request.step)
+            if not predicted.is_retry:
+                log.results[key] = result
+            if corrupted:
+                log.tainted.add(key)
         elif result.output is not None:
             raise _Fail("§3 shape and range", str(predicted), f"{observed} carrying an output {result.output!r}")
         return str(predicted), observed, result.status.code.name
@@ -292,7 +298,11 @@ class Driver:
     def _check_output(self, request: StepRequest, predicted: Prediction, result: StepResult, log: _SessionLog) -> bool:
         """Check an OK output; True when it was an injected malformed output, caught."""
         armed, self._malformed_armed = self._malformed_armed, False
-        problems = [("§3 shape and range", problem) for problem in output_problems(self.caps, request, result)]
+        status = _status_text(result.status, result.cache)
+        problems = [
+            _Fail("§3 shape and range", f"{predicted} with a well-formed output", f"{status}: {problem}")
+            for problem in output_problems(self.caps, request, result)
+        ]
         if predicted.is_retry and not problems:
             problems = self._retry_problems(request, result, log)
         elif not problems:
@@ -302,25 +312,24 @@ class Driver:
                 raise _Fail(
                     "§4 malformed_output",
                     "the kit to detect the injected malformed output",
-                    f"{_status_text(result.status, result.cache)} passed every check: {result.output!r}",
+                    f"{status} passed every check: {result.output!r}",
                     "a check of the kit is too weak (or the engine did not corrupt its output)",
                 )
             return True
         if problems:
-            property_name, message = problems[0]
-            raise _Fail(property_name, str(predicted), f"{_status_text(result.status, result.cache)}: {message}")
+            raise problems[0]
         return False
 
-    def _retry_problems(self, request: StepRequest, result: StepResult, log: _SessionLog) -> list[tuple[str, str]]:
-        if result == log.last_result:
+    def _retry_problems(self, request: StepRequest, result: StepResult, log: _SessionLog) -> list[_Fail]:
+        key = (request.epoch, request.step)
+        earlier = log.results.get(key)
+        if result == earlier:
             return []
-        if log.tainted:  # the first answer was corrupted by us; the engine may now answer truly
+        if key in log.tainted:  # the first answer was corrupted by us; the engine may now answer truly
             return self._history_problems(request, result, strict=False)
-        return [
-            ("§2 rule 6", f"a retry must repeat the earlier result exactly; it was {log.last_result!r}, now {result!r}")
-        ]
+        return [_Fail("§2 rule 6", f"the earlier result exactly (an idempotent retry): {earlier!r}", repr(result))]
 
-    def _history_problems(self, request: StepRequest, result: StepResult, *, strict: bool) -> list[tuple[str, str]]:
+    def _history_problems(self, request: StepRequest, result: StepResult, *, strict: bool) -> list[_Fail]:
         """Compare the output with the reference for each history it speaks for:
         each row of a bundle, or the token after the whole history. ``strict``
         counts any difference, even one within tolerance (an injected corruption)."""
@@ -340,8 +349,14 @@ class Driver:
             else:
                 difference = payload_difference(expected, payload, self.caps.tolerance)
             if difference is not None:
-                message = f"for history {list(history[:end])} it gave {difference}; {source} gave {_show(expected)}"
-                return [("§3 determinism", message)]
+                after = f"after history {list(history[:end])}"
+                return [
+                    _Fail(
+                        "§3 determinism",
+                        f"{_show(expected)} {after}, as {source} gave",
+                        _show(payload) if isinstance(payload, tuple) else f"{_show(payload)}: {difference}",
+                    )
+                ]
         return []
 
     def _reference(self, session_id: str, session: SessionState, key: tuple[int, ...]) -> tuple[Payload, str] | None:

@@ -39,7 +39,7 @@ InputChunk = tuple[int, ...] | tuple[bytes, tuple[int, ...] | None]
 class Prediction:
     """What the engine must answer, and why."""
 
-    op: Operation
+    op: str  # an Operation, or one a backend adds
     code: StatusCode
     rule: str
     because: str

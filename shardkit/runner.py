@@ -21,7 +21,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from ._version import __version__
 from .contract import Role
-from .machine import FailureReport, machine_for
+from .machine import FailureReport, ShardMachine, machine_for
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .targets import EngineFactory, ResolvedTarget, resolve_target
@@ -64,12 +64,13 @@ def fuzz(
     twins: bool = True,
     out: Path | None = None,
     model: Callable[[], ReferenceModel] = ReferenceModel,
+    base: type[ShardMachine] = ShardMachine,
     minimize: bool = True,
 ) -> FuzzResult:
     """Fuzz ``target``; on a failure, minimise it further by replay (unless
     ``minimize`` is False) and write its trace under ``out`` (if given)."""
     resolved = resolve_target(target)
-    machine = machine_for(resolved, role=role, faults=faults, twins=twins, model=model)
+    machine = machine_for(resolved, role=role, faults=faults, twins=twins, model=model, base=base)
     run_settings = settings(
         max_examples=examples,
         stateful_step_count=steps,

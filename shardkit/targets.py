@@ -75,6 +75,9 @@ def _import_module(name: str, target: str) -> object:
     except ImportError as error:
         message = f"engine target {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
         raise InvalidTarget(message) from error
+    except Exception as error:
+        message = f"engine target {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
+        raise InvalidTarget(message) from error
 
 
 def _import_file(path_text: str, target: str) -> object:

@@ -1,0 +1,1 @@
+"""Stateful suites: the kit fuzzing the bundled engines, collected by pytest in CI."""

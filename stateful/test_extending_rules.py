@@ -1,0 +1,257 @@
+"""A worked example: extending the kit for a backend that adds an operation.
+
+Our imaginary backend supports ``rollback(session_id, epoch, to_step)``: drop
+the steps from ``to_step`` on, so the session continues at ``to_step`` (as a
+speculative-decoding runtime does when a draft is rejected). Three pieces,
+none of which copies the kit:
+
+1. the **model** — subclass ``ReferenceModel`` and add ``rollback``, which
+   returns a ``Prediction`` and updates the session state like the other rules;
+2. the **step** — a ``CustomOp`` that says how to call the engine and the model
+   from the step's plain arguments (so traces of it replay);
+3. the **rule** — subclass ``ShardMachine``, register the op in ``custom_ops``,
+   and add one ``@step_rule`` that draws small integers and derives the step
+   from the model's state, like the built-in rules do.
+
+``machine_for(engine, model=..., base=...)`` then fuzzes the backend with every
+built-in rule, fault and check, plus the new one. The planted bug at the end
+shows the new rule finding and shrinking a real defect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from shardkit import (
+    Action,
+    CacheResult,
+    DecodeRequest,
+    FakeShardEngine,
+    MetricsResult,
+    Prediction,
+    PrefillRequest,
+    ReferenceModel,
+    ShardEngine,
+    ShardMachine,
+    StatusCode,
+    StepResult,
+    StructuredStatus,
+    machine_for,
+)
+from shardkit.driver import CustomOp
+from shardkit.machine import step_rule
+from shardkit.model import input_chunk, input_length
+from shardkit.runner import fuzz
+
+StepRequest = PrefillRequest | DecodeRequest
+
+# --- the backend: the fake, plus rollback ---------------------------------------------------
+
+
+@dataclass
+class _Accepted:
+    epoch: int
+    requests: list[StepRequest] = field(default_factory=list)
+    cancelled: bool = False
+
+
+class RollbackEngine(ShardEngine):
+    """The fake engine plus ``rollback``, implemented by replaying the kept steps."""
+
+    def __init__(self) -> None:
+        self.inner = FakeShardEngine()
+        self.accepted: dict[str, _Accepted] = {}
+        self.hidden_calls = {"prefill": 0, "decode": 0}
+
+    def rollback(self, session_id: str, epoch: int, to_step: int) -> StructuredStatus:
+        session = self.accepted.get(session_id)
+        if session is None or epoch > session.epoch:
+            return StructuredStatus(StatusCode.NOT_FOUND, "unknown session epoch")
+        if epoch < session.epoch:
+            return StructuredStatus(StatusCode.ABORTED, "stale epoch")
+        if session.cancelled:
+            return StructuredStatus(StatusCode.CANCELLED, "cancelled")
+        if not 1 <= to_step <= len(session.requests):
+            return StructuredStatus(StatusCode.FAILED_PRECONDITION, f"cannot roll back to step {to_step}")
+        kept = session.requests[:to_step]
+        self.inner.release(session_id)
+        for request in kept:
+            self._replay(request)
+        session.requests = kept
+        return StructuredStatus(StatusCode.OK)
+
+    def _replay(self, request: StepRequest) -> None:
+        if isinstance(request, PrefillRequest):
+            self.hidden_calls["prefill"] += 1
+            self.inner.prefill(request)
+        else:
+            self.hidden_calls["decode"] += 1
+            self.inner.decode(request)
+
+    def _track(self, request: StepRequest, result: StepResult) -> StepResult:
+        if result.status.ok:
+            session = self.accepted.get(request.session_id)
+            if result.cache is CacheResult.MISS and request.step == 0 and isinstance(request, PrefillRequest):
+                session = self.accepted[request.session_id] = _Accepted(request.epoch)
+            if session is not None and request.step == len(session.requests):
+                session.requests.append(request)
+        return result
+
+    def load(self, request: Any) -> Any:
+        return self.inner.load(request)
+
+    def capabilities(self) -> Any:
+        return self.inner.capabilities()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._track(request, self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._track(request, self.inner.decode(request))
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        status = self.inner.cancel(session_id, epoch)
+        session = self.accepted.get(session_id)
+        if status.ok and session is not None and session.epoch == epoch:
+            session.cancelled = True
+        return status
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.accepted.pop(session_id, None)
+        return self.inner.release(session_id)
+
+    def health(self) -> Any:
+        return self.inner.health()
+
+    def metrics(self) -> MetricsResult:
+        metrics = self.inner.metrics()
+        return MetricsResult(
+            metrics.prefill_calls - self.hidden_calls["prefill"],
+            metrics.decode_calls - self.hidden_calls["decode"],
+            metrics.active_sessions,
+            metrics.kv_tokens,
+        )
+
+    def inject_fault(self, fault: Any) -> StructuredStatus:
+        return self.inner.inject_fault(fault)
+
+
+# --- 1. the model extension -------------------------------------------------------------------
+
+
+class RollbackModel(ReferenceModel):
+    """``ReferenceModel`` plus the rollback rule; remembers each epoch's accepted steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[str, list[tuple[StepRequest, CacheResult]]] = {}
+
+    def prefill(self, request: PrefillRequest) -> Prediction:
+        return self._remember(request, super().prefill(request))
+
+    def decode(self, request: DecodeRequest) -> Prediction:
+        return self._remember(request, super().decode(request))
+
+    def release(self, session_id: str) -> Prediction:
+        self.steps.pop(session_id, None)
+        return super().release(session_id)
+
+    def _remember(self, request: StepRequest, prediction: Prediction) -> Prediction:
+        if prediction.code is StatusCode.OK and not prediction.is_retry:
+            if request.step == 0:
+                self.steps[request.session_id] = []
+            self.steps[request.session_id].append((request, prediction.cache))
+        return prediction
+
+    def rollback(self, session_id: str, epoch: int, to_step: int) -> Prediction:
+        def say(code: StatusCode, because: str) -> Prediction:
+            return Prediction("rollback", code, "rollback", because)
+
+        if self.capabilities is None:
+            return say(StatusCode.UNAVAILABLE, "the engine is not loaded")
+        session = self.sessions.get(session_id)
+        if session is None or epoch > session.epoch:
+            return say(StatusCode.NOT_FOUND, f"session {session_id!r} has no epoch {epoch}")
+        if epoch < session.epoch:
+            return say(StatusCode.ABORTED, f"epoch {epoch} is stale")
+        if session.cancelled:
+            return say(StatusCode.CANCELLED, "the session was cancelled")
+        if not 1 <= to_step <= session.next_step:
+            return say(StatusCode.FAILED_PRECONDITION, f"to_step {to_step} is outside [1, {session.next_step}]")
+        kept = self.steps[session_id][:to_step]
+        self.steps[session_id] = kept
+        session.next_step = to_step
+        session.kv_tokens = sum(input_length(request) for request, _ in kept)
+        session.history = tuple(input_chunk(request) for request, _ in kept)
+        session.last_request, session.last_cache = kept[-1]
+        return say(StatusCode.OK, f"session {session_id!r} continues at step {to_step}")
+
+
+# --- 2. the step, and 3. the rule -------------------------------------------------------------
+
+
+def _call_rollback(engine: ShardEngine, args: Mapping[str, Any]) -> StructuredStatus:
+    status: StructuredStatus = engine.rollback(args["session"], args["epoch"], args["to_step"])  # type: ignore[attr-defined]
+    return status
+
+
+def _predict_rollback(model: ReferenceModel, args: Mapping[str, Any]) -> Prediction:
+    assert isinstance(model, RollbackModel)
+    return model.rollback(args["session"], args["epoch"], args["to_step"])
+
+
+class RollbackMachine(ShardMachine):
+    custom_ops: ClassVar[Mapping[str, CustomOp]] = {"rollback": CustomOp(_call_rollback, _predict_rollback)}
+
+    @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))
+    def rollback(self, session: int, back: int) -> None:
+        """Drop the last ``back + 1`` steps of a session (0: just the last one)."""
+        sid = self.session_id(session)
+        epoch, next_step = self.position(sid)
+        self.run(Action("rollback", {"session": sid, "epoch": epoch, "to_step": next_step - 1 - back}))
+
+
+CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None)
+_machine = machine_for(RollbackEngine, role="full", model=RollbackModel, base=RollbackMachine, name="Rollback")
+_machine.TestCase.settings = CI_SETTINGS
+TestRollbackBackend = _machine.TestCase
+
+
+# --- the new rule finds a bug in the new operation ------------------------------------------
+
+
+class RollbackKeepsTokens(RollbackEngine):
+    """Planted bug: rollback reports the dropped steps' tokens as still cached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale_tokens = 0
+
+    def rollback(self, session_id: str, epoch: int, to_step: int) -> StructuredStatus:
+        before = self.inner.metrics().kv_tokens
+        status = super().rollback(session_id, epoch, to_step)
+        self.stale_tokens += before - self.inner.metrics().kv_tokens
+        return status
+
+    def metrics(self) -> MetricsResult:
+        metrics = super().metrics()
+        return MetricsResult(
+            metrics.prefill_calls, metrics.decode_calls, metrics.active_sessions, metrics.kv_tokens + self.stale_tokens
+        )
+
+
+def test_the_new_rule_finds_a_rollback_bug_and_shrinks_it_to_three_steps() -> None:
+    """Minimum: prefill step 0, one more step, rollback to step 1 (then metrics disagree)."""
+    result = fuzz(
+        RollbackKeepsTokens, seed=3, examples=200, steps=50, role="full", model=RollbackModel, base=RollbackMachine
+    )
+    assert result.failure is not None
+    assert result.failure.violation.property == "§2 metrics"
+    ops = [record.action.op for record in result.failure.records]
+    assert len(ops) == 3, ops
+    assert ops[-1] == "rollback"

@@ -1,0 +1,347 @@
+"""The ``shardkit`` command (SPEC §6): its output, its exit codes and its ``--report`` schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardkit import __version__
+from shardkit.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
+SMALL = ["--examples", "20", "--steps", "20"]
+REPORT_KEYS = {"shardkit_version", "target", "seed", "examples", "steps", "elapsed_s", "coverage", "failures"}
+FAILURE_KEYS = {"message", "steps", "trace", "faults"}
+STEP_KEYS = {"op", "args", "expected", "observed"}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    """Call ``shardkit`` in-process; return its exit code, stdout and stderr."""
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_usage_error(code: int, out: str, err: str) -> str:
+    """Exit 2 with exactly one line on stderr and no traceback; return that line."""
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].strip()
+    return lines[0]
+
+
+def read_json(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_target(folder: Path, source: str) -> str:
+    """Write ``source`` to a module file in ``folder``; return the target ``file.py:make``."""
+    path = folder / "target_engine.py"
+    path.write_text(source, encoding="utf-8")
+    return f"{path}:make"
+
+
+# --- fuzz: success ----------------------------------------------------------
+
+
+def test_fuzz_of_the_default_target_prints_seed_coverage_and_no_failure(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path)
+    assert code == 0, err
+    assert "shardkit fuzz shardkit:FakeShardEngine --seed 1" in out
+    assert "no failure found" in out
+    assert "coverage (operation → outcome counts):" in out
+    for op in ("prefill", "decode", "cancel", "release", "health"):
+        assert f"  {op} " in out
+    assert "steps/s" in out
+    assert "FAILURE" not in out
+    assert err == ""
+
+
+def test_fuzz_report_has_exactly_the_spec_keys_and_no_failures(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    report = tmp_path / "report.json"
+    code, out, _ = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path, "--report", report)
+    assert code == 0
+    assert f"report: {report}" in out
+    document = read_json(report)
+    assert set(document) == REPORT_KEYS
+    assert document["shardkit_version"] == __version__
+    assert document["target"] == "shardkit:FakeShardEngine"
+    assert document["seed"] == 1
+    for key in ("examples", "steps"):
+        value = document[key]
+        assert type(value) is int, (key, value)
+        assert value > 0, (key, value)
+    assert isinstance(document["elapsed_s"], float | int)
+    assert document["elapsed_s"] >= 0
+    coverage = document["coverage"]
+    assert isinstance(coverage, dict)
+    assert coverage
+    for op, outcomes in coverage.items():
+        assert isinstance(op, str)
+        assert isinstance(outcomes, dict)
+        assert outcomes
+        for outcome, count in outcomes.items():
+            assert isinstance(outcome, str)
+            assert type(count) is int
+            assert count > 0
+    assert document["failures"] == []
+
+
+def test_fuzz_with_the_same_seed_twice_gives_the_same_report_apart_from_elapsed_time(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    documents = []
+    for name in ("first.json", "second.json"):
+        report = tmp_path / name
+        code, _, _ = run(capsys, "fuzz", "--seed", "7", *SMALL, "--out", tmp_path, "--report", report)
+        assert code == 0
+        document = read_json(report)
+        del document["elapsed_s"]
+        documents.append(document)
+    assert documents[0] == documents[1]
+
+
+def test_fuzz_with_faults_none_injects_no_fault(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    code, out, _ = run(capsys, "fuzz", "--seed", "1", *SMALL, "--faults", "none", "--out", tmp_path, "--report", report)
+    assert code == 0
+    assert "faults: none" in out
+    coverage = read_json(report)["coverage"]
+    assert isinstance(coverage, dict)
+    assert coverage
+    assert "fault" not in coverage
+
+
+def test_fuzz_with_a_list_of_faults_runs_only_those_kinds(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    code, out, _ = run(
+        capsys, "fuzz", "--seed", "1", *SMALL, "--faults", "delay,crash", "--out", tmp_path, "--report", report
+    )
+    assert code == 0
+    assert "faults: crash, delay\n" in out
+    assert "no failure found" in out
+    assert read_json(report)["failures"] == []
+
+
+# --- fuzz: a planted bug ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [f"{PLANTED_FILE}:ReleaseLeaksKvTokens", "tests.planted:ReleaseLeaksKvTokens"],
+    ids=["file-path target", "module target"],
+)
+def test_fuzz_finds_a_planted_bug_exits_1_and_reports_its_minimal_steps(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str
+) -> None:
+    out_dir = tmp_path / "failures"
+    report = tmp_path / "report.json"
+    argv = ["fuzz", target, "--seed", "3", "--examples", "200", "--steps", "50"]
+    code, out, err = run(capsys, *argv, "--out", out_dir, "--report", report)
+    assert code == 1, err
+    assert "Traceback" not in out + err
+
+    # The human-readable summary.
+    assert f"shardkit fuzz {target} --seed 3" in out
+    assert "FAILURE (§2 metrics) in 2 steps:" in out
+    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 2: release(session='a')" in out
+    assert "expected: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=0" in out
+    assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
+    assert f"rerun the whole run: shardkit fuzz {target} --seed 3" in out
+    assert "no failure found" not in out
+
+    # The trace file.
+    trace_lines = [line for line in out.splitlines() if line.startswith("trace: ")]
+    assert len(trace_lines) == 1
+    trace = Path(trace_lines[0].removeprefix("trace: "))
+    assert trace.is_file()
+    assert trace.parent == out_dir
+    trace_document = read_json(trace)
+    assert trace_document["format"] == "shardkit-trace"
+    assert trace_document["version"] == 1
+
+    # The report.
+    document = read_json(report)
+    assert set(document) == REPORT_KEYS
+    assert document["target"] == target
+    assert document["seed"] == 3
+    failures = document["failures"]
+    assert isinstance(failures, list)
+    assert len(failures) == 1
+    failure = failures[0]
+    assert set(failure) >= FAILURE_KEYS
+    assert "kv_tokens=1" in failure["message"]
+    assert failure["trace"] == str(trace)
+    assert failure["faults"] == []
+    steps = failure["steps"]
+    assert len(steps) == 2
+    for step in steps:
+        assert set(step) >= STEP_KEYS
+    assert [step["op"] for step in steps] == ["prefill", "release"]
+    assert steps[1]["args"] == {"session": "a"}
+    assert "kv_tokens=0" in steps[1]["expected"]
+    assert "kv_tokens=1" in steps[1]["observed"]
+
+
+# --- contract ---------------------------------------------------------------
+
+
+def test_contract_of_the_fake_engine_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "contract", "shardkit:FakeShardEngine")
+    assert code == 0, out + err
+    assert "every contract check passed" in out
+    assert err == ""
+
+
+def test_contract_of_a_planted_bug_exits_1_and_names_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "contract", "tests.planted:StaleEpochAccepted")
+    assert code == 1, out + err
+    assert "a stale epoch is ABORTED" in out
+    assert "Traceback" not in out + err
+
+
+def test_contract_of_a_missing_module_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    line = assert_usage_error(*run(capsys, "contract", "nope:thing"))
+    assert "cannot import" in line
+
+
+# --- usage errors -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["fuzz", "--steps", "0"], "--steps must be a positive integer, got '0'"),
+        (["fuzz", "--examples", "abc"], "--examples must be a positive integer, got 'abc'"),
+        (["fuzz", "--seed", "-1"], "--seed must be an integer in [0, 2**64), got '-1'"),
+        (["fuzz", "--faults", "flood"], "'flood'"),
+        (["fuzz", "--role", "edge"], "'edge'"),
+        (["frobnicate"], "'frobnicate'"),
+        ([], "command"),
+    ],
+    ids=["--steps 0", "--examples abc", "--seed -1", "--faults flood", "--role edge", "unknown command", "no command"],
+)
+def test_a_bad_command_line_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    line = assert_usage_error(*run(capsys, *argv))
+    assert expected in line
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("nocolon", "must look like"),
+        ("shardkit_no_such_module:make", "cannot import"),
+        ("shardkit:no_such_factory", "has no attribute"),
+        ("shardkit:__version__", "not callable"),
+        ("tests/planted/no_such_file.py:make", "no file at"),
+    ],
+    ids=["no colon", "missing module", "missing attribute", "not callable", "missing file"],
+)
+def test_a_bad_target_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str, expected: str
+) -> None:
+    line = assert_usage_error(*run(capsys, "fuzz", target, *SMALL, "--out", tmp_path))
+    assert expected in line
+
+
+def test_a_target_returning_something_else_than_an_engine_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = write_target(tmp_path, "def make():\n    return 42\n")
+    line = assert_usage_error(*run(capsys, "fuzz", target, *SMALL, "--out", tmp_path))
+    assert "returned int, not a ShardEngine" in line
+
+
+def test_a_target_that_raises_when_called_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = write_target(tmp_path, "def make():\n    raise RuntimeError('no GPU here')\n")
+    line = assert_usage_error(*run(capsys, "fuzz", target, *SMALL, "--out", tmp_path))
+    assert "raised RuntimeError when called: no GPU here" in line
+
+
+def test_a_target_file_that_raises_on_import_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = write_target(tmp_path, "raise RuntimeError('broken at import')\n")
+    line = assert_usage_error(*run(capsys, "fuzz", target, *SMALL, "--out", tmp_path))
+    assert "RuntimeError: broken at import" in line
+
+
+def test_a_target_module_that_raises_on_import_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only ImportError: any exception while importing a module target is an input error."""
+    (tmp_path / "shardkit_broken_target_module.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = assert_usage_error(
+        *run(capsys, "fuzz", "shardkit_broken_target_module:make", *SMALL, "--out", tmp_path / "out")
+    )
+    assert "RuntimeError: broken at import" in line
+
+
+def test_a_report_into_a_missing_folder_exits_2_before_fuzzing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    report = tmp_path / "missing" / "report.json"
+    code, out, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path, "--report", report)
+    line = assert_usage_error(code, out, err)
+    assert "does not exist" in line
+    assert "steps/s" not in out
+    assert not report.parent.exists()
+
+
+def test_role_middle_for_an_engine_with_too_few_layers_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "from shardkit import FakeShardEngine, FakeShardEngineConfig\n\n\n"
+        "def make():\n    return FakeShardEngine(FakeShardEngineConfig(total_layers=2))\n",
+    )
+    line = assert_usage_error(*run(capsys, "fuzz", target, "--role", "middle", *SMALL, "--out", tmp_path))
+    assert "middle" in line
+
+
+def test_a_fault_the_engine_cannot_take_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "import dataclasses\n\nfrom shardkit import FakeShardEngine\n\n\n"
+        "class make(FakeShardEngine):\n"
+        "    def capabilities(self):\n"
+        "        return dataclasses.replace(super().capabilities(), supported_faults=frozenset())\n",
+    )
+    line = assert_usage_error(*run(capsys, "fuzz", target, "--faults", "memory_pressure", *SMALL, "--out", tmp_path))
+    assert "memory_pressure" in line
+
+
+# --- python -m shardkit -----------------------------------------------------
+
+
+def test_python_dash_m_shardkit_prints_the_version() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "shardkit", "--version"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == f"shardkit {__version__}"
