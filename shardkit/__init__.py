@@ -11,7 +11,10 @@ Where things live:
 - ``twins``     — the twin oracle: fresh engines replaying one session's history.
 - ``faults``    — fault injection at an engine's boundary (SPEC §4).
 - ``machine``   — the Hypothesis state machine and ``machine_for``.
-- ``runner``, ``report``, ``trace`` — one fuzzing run, its summary, its trace file.
+- ``minimize``  — the second-stage minimiser: replay without Hypothesis, 1-minimal results.
+- ``runner``, ``report``, ``trace``, ``regression`` — one run, its summary, its trace and test.
+- ``replay``    — trace files read back (validated as untrusted input) and re-run.
+- ``pytest_plugin`` — ``--shardkit-engine`` / ``--shardkit-seed`` for the stateful suites.
 - ``cli``       — the ``shardkit`` command, a thin adapter over the above.
 - ``engines/``  — the bundled engines: ``FakeShardEngine``, the deterministic fixture.
 - ``errors``    — ``ShardkitError`` and its subclasses.
@@ -44,10 +47,12 @@ from .engines import FakeShardEngineConfig as FakeShardEngineConfig
 from .errors import ContractViolation as ContractViolation
 from .errors import InvalidTarget as InvalidTarget
 from .errors import ShardkitError as ShardkitError
+from .errors import TraceFormatError as TraceFormatError
 from .machine import ShardMachine as ShardMachine
 from .machine import machine_for as machine_for
 from .model import Prediction as Prediction
 from .model import ReferenceModel as ReferenceModel
+from .replay import replay as replay
 from .steps import Action as Action
 
 __all__ = [
@@ -78,6 +83,8 @@ __all__ = [
     "StepResult",
     "StructuredStatus",
     "TokenOutput",
+    "TraceFormatError",
     "assert_shard_engine_contract",
     "machine_for",
+    "replay",
 ]

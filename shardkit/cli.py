@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -18,12 +19,13 @@ from ._version import __version__
 from .contract import FAULT_KINDS
 from .errors import ContractViolation, InvalidTarget, ShardkitError
 from .machine import ROLES, parse_faults
+from .runner import DEFAULT_OUT
 from .targets import DEFAULT_TARGET, resolve_target
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-DEFAULT_OUT = Path(".shardkit/failures")
+EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
 
 
 class UsageError(Exception):
@@ -90,6 +92,10 @@ def _parser() -> _Parser:
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
 
+    replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
+    replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
+    replay.add_argument("--engine", default=None, help="replay against this engine target instead of the recorded one")
+
     contract = commands.add_parser("contract", help="run the quick static contract checks")
     contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
     return parser
@@ -98,9 +104,11 @@ def _parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        if args.command == "fuzz":
-            return _fuzz(args)
-        return _contract(args)
+        handler = {"fuzz": _fuzz, "replay": _replay, "contract": _contract}[args.command]
+        return handler(args)
+    except KeyboardInterrupt:
+        print("shardkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UsageError as error:
         print(error, file=sys.stderr)
         return EXIT_USAGE
@@ -119,21 +127,63 @@ def _fuzz(args: argparse.Namespace) -> int:
         raise UsageError(message)
     target = resolve_target(args.target)
     print(f"shardkit fuzz {target.name} --seed {seed}", flush=True)
-    result = fuzz(
-        target,
-        seed=seed,
-        examples=args.examples,
-        steps=args.steps,
-        role=args.role,
-        faults=args.faults,
-        twins=not args.no_twins,
-        out=args.out,
-    )
+    progress = _Progress(args.examples) if sys.stderr.isatty() else None
+    try:
+        result = fuzz(
+            target,
+            seed=seed,
+            examples=args.examples,
+            steps=args.steps,
+            role=args.role,
+            faults=args.faults,
+            twins=not args.no_twins,
+            out=args.out,
+            progress=progress,
+        )
+    finally:
+        if progress is not None:
+            progress.clear()
     print_summary(result, sys.stdout)
     if args.report is not None:
         args.report.write_text(json.dumps(report_document(result), indent=2, ensure_ascii=False) + "\n")
         print(f"report: {args.report}")
     return EXIT_FAILURE if result.failure is not None else EXIT_OK
+
+
+class _Progress:
+    """A one-line live status on an interactive stderr, at most ten updates a second."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = time.perf_counter()
+        self.shown_at = 0.0
+
+    def __call__(self, examples: int, steps: int, failures: int) -> None:
+        now = time.perf_counter()
+        if now - self.shown_at < 0.1:
+            return
+        self.shown_at = now
+        rate = steps / max(now - self.started, 1e-9)
+        line = f"examples {examples}/{self.total}  {rate:,.0f} steps/s  failures {failures}"
+        sys.stderr.write(f"\r{line}\x1b[K")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .replay import replay
+
+    result = replay(args.trace, target=args.engine)
+    if result.failure is None:
+        print(f"did not reproduce: all {len(result.records)} steps matched the model")
+        return EXIT_OK
+    if not result.reproduced:
+        print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
+    print(result.failure.message)
+    return EXIT_FAILURE
 
 
 def _contract(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ContractViolation", "InvalidTarget", "ShardkitError"]
+__all__ = ["ContractViolation", "InvalidTarget", "ShardkitError", "TraceFormatError"]
 
 
 class ShardkitError(Exception):
@@ -13,6 +13,11 @@ class ShardkitError(Exception):
 
 class InvalidTarget(ShardkitError, ValueError):
     """An engine target that cannot be imported, called, or does not build a ShardEngine."""
+
+
+class TraceFormatError(ShardkitError, ValueError):
+    """A trace file that is missing, unreadable, not JSON, of another format or
+    version, or whose steps do not fit the schema; the message names the problem."""
 
 
 class ContractViolation(ShardkitError, AssertionError):

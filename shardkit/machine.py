@@ -9,6 +9,7 @@ choices long, so Hypothesis's shrinker can delete whole steps (SHRINKING.md).
 from __future__ import annotations
 
 import functools
+import unittest
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -114,12 +115,17 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
 
 @dataclass
 class RunStats:
-    """Counters shared by every example of one machine class."""
+    """Counters shared by every example of one machine class, and the run's hooks."""
 
     examples: int = 0
     steps: int = 0
+    failures_seen: int = 0
     coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
     failure: FailureReport | None = None
+    #: Called with each failing example as it happens (the runner writes its trace).
+    on_failure: Callable[[FailureReport], object] | None = None
+    #: Called as each example starts with (examples, steps, failures seen).
+    on_example: Callable[[int, int, int], object] | None = None
 
 
 def coverage_op(action: Action) -> str:
@@ -188,6 +194,31 @@ class ShardMachine(RuleBasedStateMachine):
     stats: RunStats  # shared by the class's examples; the minimiser gives its instances their own
 
     driver: Driver
+    #: The options machine_for built this class with, so pytest can rebuild it for another engine.
+    build_options: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    @functools.lru_cache
+    def _to_test_case(cls) -> type[unittest.TestCase]:  # type: ignore[override]
+        """pytest's ``TestCase``: the same run as ``shardkit fuzz`` — Hypothesis, then
+        minimisation by replay, then the trace and regression test on disk."""
+        machine = cls
+
+        class ShardMachineTestCase(unittest.TestCase):
+            settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+            def runTest(self) -> None:
+                __tracebackhide__ = True
+                from .runner import run_as_test
+
+                run_as_test(machine, self.settings)
+
+            runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
+            runTest._hypothesis_state_machine_class = machine  # type: ignore[attr-defined]
+
+        ShardMachineTestCase.__name__ = f"{cls.__name__}.TestCase"
+        ShardMachineTestCase.__qualname__ = f"{cls.__qualname__}.TestCase"
+        return ShardMachineTestCase
 
     @initialize(layout=st.integers(0, 15))
     def load_engine(self, layout: int) -> None:
@@ -206,6 +237,8 @@ class ShardMachine(RuleBasedStateMachine):
             custom_ops=self.custom_ops,
         )
         self.stats.examples += 1
+        if self.stats.on_example is not None:
+            self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
 
     # --- helpers rules share -----------------------------------------------------------
 
@@ -225,6 +258,9 @@ class ShardMachine(RuleBasedStateMachine):
                 self.layout,
                 tuple(self.choices),
             )
+            stats.failures_seen += 1
+            if stats.on_failure is not None:
+                stats.on_failure(stats.failure)
             raise
         stats.coverage[(coverage_op(action), record.outcome)] += 1
         if currently_in_test_context():
@@ -286,7 +322,8 @@ class ShardMachine(RuleBasedStateMachine):
         sid = self.session_id(session)
         known = sid in self.driver.model.sessions
         epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else EPOCH_JUMPS[jump]
-        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk), note="epoch bump"))
+        note = "epoch bump" if known else "opens at a higher epoch"
+        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk), note=note))
 
     @step_rule(session=st.integers(0, 7), higher=st.integers(0, 1), op=st.integers(0, 1))
     def wrong_epoch(self, session: int, higher: int, op: int) -> None:
@@ -399,15 +436,24 @@ def machine_for(
         message = f"{target.name} refused to load even its whole range of {caps.total_layers} layers"
         raise ShardkitError(message)
     wanted = parse_faults(faults)
+    everything = faults is True or faults == "all"
+    if not twins and "malformed_output" in wanted:
+        # Without twins a wrong output of a first-seen history is undetectable, and an
+        # undetected injection counts as a failure of the kit.
+        if not everything:
+            message = "the malformed_output fault needs the twin oracle to detect it; drop --no-twins or the fault"
+            raise ShardkitError(message)
+        wanted -= {"malformed_output"}
     native, boundary = usable_faults(caps, probe, wanted)
     unusable = wanted - native - boundary
-    if unusable and not (faults is True or faults == "all"):
+    if unusable and not everything:
         message = (
             f"{target.name} cannot take the fault(s) {sorted(unusable)}: not in its supported_faults "
             f"{sorted(caps.supported_faults)} and not injectable at its boundary"
         )
         raise ShardkitError(message)
     namespace: dict[str, Any] = {
+        "build_options": {"role": role, "faults": faults, "twins": twins, "model": model, "base": base},
         "target": target,
         "role": role,
         "fault_kinds": native | boundary,

@@ -1,6 +1,10 @@
-"""One fuzzing run end to end: build the machine, run Hypothesis, collect the result.
+"""One fuzzing run end to end: run Hypothesis on a machine, minimise, write the artefacts.
 
-The CLI and the benchmark call ``fuzz``; it prints nothing itself.
+``fuzz`` serves the CLI and the benchmark; ``run_as_test`` serves the machines'
+pytest ``TestCase``. Neither prints: the CLI and pytest render the result.
+While Hypothesis runs, the shortest failure seen so far is kept on disk as
+``…-in-progress.json``, so even a killed run leaves a trace; at the end the
+reported failure's trace and regression test replace it.
 """
 
 from __future__ import annotations
@@ -24,33 +28,157 @@ from .contract import Role
 from .machine import FailureReport, ShardMachine, machine_for
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
+from .regression import regression_test_source
 from .targets import EngineFactory, ResolvedTarget, resolve_target
 from .trace import trace_document, write_atomically
 
-__all__ = ["FuzzResult", "fuzz", "report_document"]
+__all__ = ["DEFAULT_OUT", "FuzzResult", "fuzz", "report_document", "rerun_hint", "run_as_test", "run_machine"]
+
+DEFAULT_OUT = Path(".shardkit/failures")
+Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
 
 
 @dataclass
 class FuzzResult:
     target: str
-    seed: int
+    seed: int | None
     examples: int
     steps: int
     elapsed_s: float
     coverage: Counter[tuple[str, str]]
     failure: FailureReport | None = None
     trace_path: Path | None = None
+    regression_path: Path | None = None
     hypothesis_output: str = ""
     faults: frozenset[str] = field(default_factory=frozenset)
     #: The failure as Hypothesis's shrinker left it, before the second stage.
     hypothesis_failure: FailureReport | None = None
     minimized: MinimizedFailure | None = None
+    #: The run was stopped with Ctrl-C after a failure was found; it was not minimised.
+    interrupted: bool = False
+    rerun_command: str = ""
 
     @property
     def blob(self) -> str | None:
         """Hypothesis's ``@reproduce_failure`` line, if it printed one."""
         found = re.search(r"@reproduce_failure\([^)]*\)", self.hypothesis_output)
         return found.group(0) if found else None
+
+
+class _Artefacts:
+    """Writes the trace and the regression test of the best failure seen so far."""
+
+    def __init__(self, machine: type[ShardMachine], out: Path | None, seed: int | None) -> None:
+        self.machine = machine
+        self.out = out
+        self.seed = seed
+        self.shortest: int | None = None  # steps of the in-progress trace on disk
+
+    @property
+    def label(self) -> str:
+        """Names the engine and the run, so traces of different engines never collide."""
+        engine = _slug(self.machine.target.name.rpartition(":")[2] or self.machine.target.name)
+        return f"{engine}-seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
+
+    def paths(self, failure: FailureReport) -> tuple[Path, Path]:
+        assert self.out is not None
+        stem = f"{self.label}-{_slug(failure.violation.property)}"
+        return self.out / f"{stem}.json", self.out / f"test_{stem.replace('-', '_')}.py"
+
+    def in_progress(self) -> Path:
+        assert self.out is not None
+        return self.out / f"{self.label}-in-progress.json"
+
+    def offer(self, failure: FailureReport) -> None:
+        """Keep the shortest failure seen so far on disk while the run goes on."""
+        if self.out is None or (self.shortest is not None and self.shortest <= len(failure.records)):
+            return
+        write_atomically(self.in_progress(), self._document(failure))
+        self.shortest = len(failure.records)
+
+    def final(self, failure: FailureReport) -> tuple[Path, Path] | None:
+        """Write the reported failure's trace and regression test; drop the in-progress file."""
+        if self.out is None:
+            return None
+        trace_path, test_path = self.paths(failure)
+        write_atomically(trace_path, self._document(failure))
+        write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        self.in_progress().unlink(missing_ok=True)
+        return trace_path, test_path
+
+    def _document(self, failure: FailureReport) -> dict[str, Any]:
+        return trace_document(
+            target=self.machine.target.name,
+            load_request=failure.load_request,
+            faults=failure.faults,
+            records=failure.records,
+            violation=failure.violation,
+            seed=self.seed,
+            twins=self.machine.use_twins,
+        )
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def run_machine(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    *,
+    seed: int | None,
+    out: Path | None,
+    minimize: bool = True,
+    progress: Progress | None = None,
+) -> FuzzResult:
+    """Run Hypothesis on ``machine``; minimise a failure and write its artefacts under ``out``."""
+    artefacts = _Artefacts(machine, out, seed)
+    stats = machine.stats
+    stats.on_failure = artefacts.offer
+    stats.on_example = progress
+    captured = io.StringIO()
+    started = time.perf_counter()
+    interrupted = False
+    test = hypothesis_seed(seed)(machine) if seed is not None else machine
+    try:
+        with with_reporter(lambda text: print(text, file=captured)):
+            run_state_machine_as_test(test, settings=run_settings)
+    except KeyboardInterrupt:
+        if stats.failure is None:
+            raise
+        interrupted = True
+    except BaseException as error:
+        if stats.failure is None:
+            raise
+        captured.write("".join(getattr(error, "__notes__", [])))
+    finally:
+        stats.on_failure = stats.on_example = None
+    minimized = None
+    if stats.failure is not None and minimize and not interrupted:
+        try:
+            minimized = minimize_failure(machine, stats.failure)
+        except KeyboardInterrupt:
+            interrupted = True
+    failure = minimized.report if minimized is not None else stats.failure
+    result = FuzzResult(
+        target=machine.target.name,
+        seed=seed,
+        examples=stats.examples,
+        steps=stats.steps,
+        elapsed_s=time.perf_counter() - started,
+        coverage=stats.coverage,
+        failure=failure,
+        hypothesis_output=captured.getvalue(),
+        faults=machine.fault_kinds,
+        hypothesis_failure=stats.failure,
+        minimized=minimized,
+        interrupted=interrupted,
+    )
+    if failure is not None:
+        written = artefacts.final(failure)
+        if written is not None:
+            result.trace_path, result.regression_path = written
+    return result
 
 
 def fuzz(
@@ -66,9 +194,11 @@ def fuzz(
     model: Callable[[], ReferenceModel] = ReferenceModel,
     base: type[ShardMachine] = ShardMachine,
     minimize: bool = True,
+    progress: Progress | None = None,
 ) -> FuzzResult:
-    """Fuzz ``target``; on a failure, minimise it further by replay (unless
-    ``minimize`` is False) and write its trace under ``out`` (if given)."""
+    """Fuzz ``target`` reproducibly from ``seed``; on a failure, minimise it further
+    by replay (unless ``minimize`` is False) and write its trace and regression
+    test under ``out`` (if given)."""
     resolved = resolve_target(target)
     machine = machine_for(resolved, role=role, faults=faults, twins=twins, model=model, base=base)
     run_settings = settings(
@@ -76,54 +206,67 @@ def fuzz(
         stateful_step_count=steps,
         deadline=None,
         database=None,
+        derandomize=False,
         print_blob=True,
         report_multiple_bugs=False,
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    captured = io.StringIO()
-    started = time.perf_counter()
-    try:
-        with with_reporter(lambda text: print(text, file=captured)):
-            run_state_machine_as_test(hypothesis_seed(seed)(machine), settings=run_settings)
-    except BaseException as error:
-        if machine.stats.failure is None or isinstance(error, KeyboardInterrupt):
-            raise
-        captured.write("".join(getattr(error, "__notes__", [])))
-    stats = machine.stats
-    minimized = None
-    if stats.failure is not None and minimize:
-        minimized = minimize_failure(machine, stats.failure)
-    elapsed = time.perf_counter() - started
-    result = FuzzResult(
-        target=resolved.name,
-        seed=seed,
-        examples=stats.examples,
-        steps=stats.steps,
-        elapsed_s=elapsed,
-        coverage=stats.coverage,
-        failure=minimized.report if minimized is not None else stats.failure,
-        hypothesis_output=captured.getvalue(),
-        faults=machine.fault_kinds,
-        hypothesis_failure=stats.failure,
-        minimized=minimized,
-    )
-    if stats.failure is not None and out is not None:
-        result.trace_path = _write_trace(result, stats.failure, out)
+    result = run_machine(machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress)
+    result.rerun_command = _fuzz_command(resolved.name, seed, examples, steps, role, faults, twins)
     return result
 
 
-def _write_trace(result: FuzzResult, failure: FailureReport, out: Path) -> Path:
-    document = trace_document(
-        target=result.target,
-        load_request=failure.load_request,
-        faults=failure.faults,
-        records=failure.records,
-        violation=failure.violation,
-        seed=result.seed,
-    )
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", failure.violation.property).strip("-").lower()
-    return write_atomically(out / f"seed-{result.seed}-{slug}.json", document)
+def _fuzz_command(
+    target: str, seed: int, examples: int, steps: int, role: str | None, faults: object, twins: bool
+) -> str:
+    parts = ["shardkit", "fuzz", target, "--seed", str(seed)]
+    if role not in (None, "any"):
+        parts += ["--role", str(role)]
+    if examples != 200:
+        parts += ["--examples", str(examples)]
+    if steps != 50:
+        parts += ["--steps", str(steps)]
+    if faults not in (True, "all"):
+        listed = faults if isinstance(faults, str) else ("none" if faults is False else ",".join(sorted(faults)))  # type: ignore[call-overload]
+        parts += ["--faults", listed]
+    if not twins:
+        parts.append("--no-twins")
+    return " ".join(parts)
+
+
+def run_as_test(machine: type[ShardMachine], run_settings: settings) -> None:
+    """What a machine's ``TestCase`` runs under pytest: the same run as ``shardkit fuzz``,
+    raising ``AssertionError`` with the minimal failure and how to rerun it."""
+    from .pytest_plugin import session_overrides
+    from .report import render_failure
+
+    __tracebackhide__ = True  # pytest: show the failure, not the runner's frames
+    overrides = session_overrides()
+    suite = machine
+    if overrides.engine is not None:
+        machine = machine_for(overrides.engine, **machine.build_options)
+    if overrides.seed is not None:
+        run_settings = settings(run_settings, derandomize=False)
+    result = run_machine(machine, run_settings, seed=overrides.seed, out=overrides.out or DEFAULT_OUT)
+    if result.failure is not None:
+        engine = f" --shardkit-engine {overrides.engine}" if overrides.engine is not None else ""
+        if overrides.seed is not None:
+            result.rerun_command = f"pytest --shardkit-seed {overrides.seed}{engine}"
+        elif run_settings.derandomize:
+            result.rerun_command = f"pytest{engine}  (the profile is derandomized: every run repeats this one)"
+        message = render_failure(result)
+        _RERUN_HINTS[suite] = message[message.index("reproduce:") :]
+        raise AssertionError(message)
+
+
+_RERUN_HINTS: dict[type[ShardMachine], str] = {}
+
+
+def rerun_hint(run_test: object) -> str | None:
+    """The reproduction commands of the last failure of the machine behind a TestCase's runTest."""
+    machine = getattr(run_test, "_hypothesis_state_machine_class", None)
+    return _RERUN_HINTS.get(machine) if isinstance(machine, type) else None
 
 
 def report_document(result: FuzzResult) -> dict[str, Any]:

@@ -254,6 +254,10 @@ BUNDLE_MALFORMATIONS: dict[str, Malformation] = {
 _MALFORMATIONS: dict[str, Malformation] = {**COMMON_MALFORMATIONS, **TOKEN_MALFORMATIONS, **BUNDLE_MALFORMATIONS}
 
 
+def known_malformations() -> frozenset[str]:
+    return frozenset(_MALFORMATIONS)
+
+
 def malformations_for(caps: EngineCapabilities) -> tuple[str, ...]:
     """The malformation names that apply to the input kind of ``caps.role``, in a fixed order."""
     specific = TOKEN_MALFORMATIONS if caps.role in ("head", "full") else BUNDLE_MALFORMATIONS

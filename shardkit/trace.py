@@ -27,6 +27,7 @@ def trace_document(
     records: list[StepRecord],
     violation: Violation,
     seed: int | None,
+    twins: bool = True,
 ) -> dict[str, Any]:
     steps = [
         {**record.action.to_json(), "expected": record.expected, "observed": record.observed} for record in records
@@ -50,6 +51,7 @@ def trace_document(
             "recipe": dict(load_request.recipe),
         },
         "faults_enabled": sorted(faults),
+        "twins": twins,
         "fault_steps": fault_steps,
         "seed": seed,
         "steps": steps,

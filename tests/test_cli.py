@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -159,14 +160,17 @@ def test_fuzz_finds_a_planted_bug_exits_1_and_reports_its_minimal_steps(
     assert "  step 2: release(session='a')" in out
     assert "expected: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=0" in out
     assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
-    assert f"rerun the whole run: shardkit fuzz {target} --seed 3" in out
+    assert f"  the whole run:   shardkit fuzz {target} --seed 3" in out
     assert "no failure found" not in out
 
-    # The trace file.
-    trace_lines = [line for line in out.splitlines() if line.startswith("trace: ")]
+    # The trace file and the regression test, each with the command that reruns it.
+    trace_lines = [line for line in out.splitlines() if line.startswith("  this failure:    shardkit replay ")]
     assert len(trace_lines) == 1
-    trace = Path(trace_lines[0].removeprefix("trace: "))
+    trace = Path(trace_lines[0].removeprefix("  this failure:    shardkit replay "))
     assert trace.is_file()
+    test_lines = [line for line in out.splitlines() if line.startswith("  as a test:       pytest ")]
+    assert len(test_lines) == 1
+    assert Path(test_lines[0].removeprefix("  as a test:       pytest ")).is_file()
     assert trace.parent == out_dir
     trace_document = read_json(trace)
     assert trace_document["format"] == "shardkit-trace"
@@ -345,3 +349,26 @@ def test_python_dash_m_shardkit_prints_the_version() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == f"shardkit {__version__}"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_fuzz_shows_live_progress_on_a_terminal_and_clears_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["fuzz", "--seed", "1", "--examples", "20", "--steps", "20", "--no-twins"]) == 0
+    shown = terminal.getvalue()
+    assert "examples 1/20" in shown
+    assert "steps/s  failures 0" in shown
+    assert shown.endswith("\r\x1b[K")  # the status line is erased before the summary
+    assert "no failure found" in capsys.readouterr().out
+
+
+def test_fuzz_prints_nothing_on_stderr_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--seed", "1", "--examples", "20", "--steps", "20"]) == 0
+    assert capsys.readouterr().err == ""

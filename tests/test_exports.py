@@ -37,6 +37,8 @@ KIT = {
     "ShardMachine",
     "machine_for",
     "Action",
+    "replay",
+    "TraceFormatError",
 }
 DOCUMENTED = SPEC_VOCABULARY | KIT
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
-from shardkit.runner import fuzz
+from shardkit.runner import FuzzResult, fuzz
 
 from .planted import PLANTED, PlantedEngine
 
@@ -42,8 +42,10 @@ ALLOWED_OUTCOMES = {
 
 
 @pytest.mark.parametrize("engine", PLANTED, ids=lambda engine: engine.__name__)
-def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(engine: type[PlantedEngine]) -> None:
-    result = fuzz(engine, seed=3, examples=200, steps=50, role=engine.ROLE)
+def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
+    engine: type[PlantedEngine], planted_runs: dict[type[PlantedEngine], FuzzResult]
+) -> None:
+    result = planted_runs[engine]
     assert result.failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
     violation = result.failure.violation
     assert violation.property.startswith(engine.PROPERTY), violation.message
@@ -158,3 +160,10 @@ def test_the_same_seed_gives_the_same_failure_and_steps() -> None:
     assert first.failure.violation == second.failure.violation
     assert [r.action for r in first.failure.records] == [r.action for r in second.failure.records]
     assert (first.examples, first.steps, first.coverage) == (second.examples, second.steps, second.coverage)
+
+
+def test_without_twins_the_malformed_output_fault_is_left_out_or_refused() -> None:
+    """Without twins a wrong output of a new history cannot be caught, so the fault would only cry wolf."""
+    assert "malformed_output" not in machine_for(FakeShardEngine, faults="all", twins=False).fault_kinds
+    with pytest.raises(ShardkitError, match="malformed_output fault needs the twin oracle"):
+        machine_for(FakeShardEngine, faults="malformed_output,crash", twins=False)

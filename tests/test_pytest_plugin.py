@@ -1,0 +1,75 @@
+"""The pytest plugin: --shardkit-engine and --shardkit-seed, the seed in the header, the replay command on failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SUITE = """
+from hypothesis import settings
+from shardkit import FakeShardEngine, machine_for
+
+machine = machine_for(FakeShardEngine, role="full", faults="none")
+machine.TestCase.settings = settings(max_examples=40, stateful_step_count=20, database=None, deadline=None)
+TestFakeSuite = machine.TestCase
+"""
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    pytester.makepyfile(test_suite=SUITE)
+    return pytester
+
+
+def test_the_header_shows_the_seed_in_use(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_subprocess("--shardkit-seed", "5")
+    result.stdout.fnmatch_lines(["shardkit: seed --shardkit-seed 5; engine each suite's own"])
+    result.assert_outcomes(passed=1)
+
+
+def test_without_a_seed_the_header_says_the_profile_decides(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_subprocess()
+    result.stdout.fnmatch_lines(["shardkit: seed from the Hypothesis profile*"])
+    result.assert_outcomes(passed=1)
+
+
+def test_shardkit_engine_points_the_suites_at_another_engine_and_the_report_shows_how_to_replay(
+    suite: pytest.Pytester,
+) -> None:
+    result = suite.runpytest_subprocess(
+        "--shardkit-engine", "tests.planted:ReleaseLeaksKvTokens", "--shardkit-seed", "3", "--shardkit-out", "failures"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*FAILURE (§2 metrics) in 2 steps:*",
+            "*shardkit: reproduce*",
+            "*this failure:    shardkit replay failures/releaseleakskvtokens-seed-3-2-metrics.json*",
+            "*as a test:       pytest failures/test_releaseleakskvtokens_seed_3_2_metrics.py*",
+        ]
+    )
+    assert (suite.path / "failures" / "releaseleakskvtokens-seed-3-2-metrics.json").is_file()
+
+
+def test_the_same_seed_finds_the_same_failure_twice(suite: pytest.Pytester) -> None:
+    arguments = ("--shardkit-engine", "tests.planted:SessionStateBleeds", "--shardkit-seed", "9")
+    first = suite.runpytest_subprocess(*arguments)
+    second = suite.runpytest_subprocess(*arguments)
+    failure = [line for line in first.outlines if "FAILURE" in line or "step " in line]
+    assert failure
+    assert failure == [line for line in second.outlines if "FAILURE" in line or "step " in line]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--shardkit-engine", "nope:thing", "*--shardkit-engine: engine target 'nope:thing': cannot import*"),
+        ("--shardkit-seed", "abc", "*--shardkit-seed must be an integer in [[]0, 2**64) or 'random', got 'abc'*"),
+    ],
+)
+def test_bad_plugin_options_are_usage_errors(suite: pytest.Pytester, option: str, value: str, message: str) -> None:
+    result = suite.runpytest_subprocess(option, value)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
