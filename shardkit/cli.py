@@ -96,6 +96,15 @@ def _parser() -> _Parser:
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
     replay.add_argument("--engine", default=None, help="replay against this engine target instead of the recorded one")
 
+    bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    bench.add_argument("--examples", type=_positive_int("--examples"), default=200, help="examples per run (200)")
+    bench.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
+    bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
+    bench.add_argument(
+        "--planted", default="tests.planted", help="module of planted-bug engines (tests.planted), or 'none'"
+    )
+
     contract = commands.add_parser("contract", help="run the quick static contract checks")
     contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
     return parser
@@ -104,7 +113,7 @@ def _parser() -> _Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        handler = {"fuzz": _fuzz, "replay": _replay, "contract": _contract}[args.command]
+        handler = {"fuzz": _fuzz, "replay": _replay, "bench": _bench, "contract": _contract}[args.command]
         return handler(args)
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
@@ -184,6 +193,15 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
     print(result.failure.message)
     return EXIT_FAILURE
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchSettings, render, run_bench
+
+    planted = None if args.planted == "none" else args.planted
+    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted))
+    print(json.dumps(figures, indent=2) if args.json else render(figures))
+    return EXIT_OK
 
 
 def _contract(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ choices long, so Hypothesis's shrinker can delete whole steps (SHRINKING.md).
 from __future__ import annotations
 
 import functools
+import time
 import unittest
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +48,7 @@ CHUNK_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 64)
 LIVE_CHOICES = 6
 EPOCH_JUMPS = (1, 2, 1000, 2**62)
 STEP_DELTAS = (1, 2, -2, 2**62)
-DELAYS = (0.0, 0.001, 0.002, 0.005)
+DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
 BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
 
 settings.register_profile(
@@ -126,6 +127,15 @@ class RunStats:
     on_failure: Callable[[FailureReport], object] | None = None
     #: Called as each example starts with (examples, steps, failures seen).
     on_example: Callable[[int, int, int], object] | None = None
+    #: The failing example with the fewest steps so far.
+    shortest: FailureReport | None = None
+    #: After this (time.monotonic()), stop Hypothesis's shrinking: the replay minimiser takes over.
+    shrink_deadline: float | None = None
+
+
+class ShrinkBudgetSpent(BaseException):
+    """Raised through Hypothesis (which does not catch it) to end a shrink that has run
+    out of time; the runner then minimises the shortest failure by replay instead."""
 
 
 def coverage_op(action: Action) -> str:
@@ -245,6 +255,8 @@ class ShardMachine(RuleBasedStateMachine):
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
+        if stats.shrink_deadline is not None and time.monotonic() > stats.shrink_deadline:
+            raise ShrinkBudgetSpent
         stats.steps += 1
         try:
             record = self.driver.execute(action)
@@ -259,6 +271,8 @@ class ShardMachine(RuleBasedStateMachine):
                 tuple(self.choices),
             )
             stats.failures_seen += 1
+            if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
+                stats.shortest = stats.failure
             if stats.on_failure is not None:
                 stats.on_failure(stats.failure)
             raise

@@ -25,7 +25,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from ._version import __version__
 from .contract import Role
-from .machine import FailureReport, ShardMachine, machine_for
+from .machine import FailureReport, ShardMachine, ShrinkBudgetSpent, machine_for
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .regression import regression_test_source
@@ -35,6 +35,7 @@ from .trace import trace_document, write_atomically
 __all__ = ["DEFAULT_OUT", "FuzzResult", "fuzz", "report_document", "rerun_hint", "run_as_test", "run_machine"]
 
 DEFAULT_OUT = Path(".shardkit/failures")
+DEFAULT_SHRINK_SECONDS = 10.0
 Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
 
 
@@ -57,6 +58,11 @@ class FuzzResult:
     #: The run was stopped with Ctrl-C after a failure was found; it was not minimised.
     interrupted: bool = False
     rerun_command: str = ""
+    #: (examples run, seconds, its steps) when the first failing example was seen: the
+    #: length a plain random walk would have reported, without any shrinking.
+    first_failure: tuple[int, float, int] | None = None
+    #: Hypothesis's shrinking was cut short by the time budget (the replay minimiser finished the job).
+    shrink_cut: bool = False
 
     @property
     def blob(self) -> str | None:
@@ -130,15 +136,29 @@ def run_machine(
     out: Path | None,
     minimize: bool = True,
     progress: Progress | None = None,
+    shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
 ) -> FuzzResult:
-    """Run Hypothesis on ``machine``; minimise a failure and write its artefacts under ``out``."""
+    """Run Hypothesis on ``machine``; minimise a failure and write its artefacts under ``out``.
+
+    Hypothesis's shrinker gets ``shrink_seconds`` after the first failure (None: no
+    limit); it is slow on failures dozens of steps long, where replay is fast.
+    """
     artefacts = _Artefacts(machine, out, seed)
     stats = machine.stats
-    stats.on_failure = artefacts.offer
+    started = time.perf_counter()
+    first_failure: list[tuple[int, float, int]] = []
+
+    def on_failure(failure: FailureReport) -> None:
+        if not first_failure:
+            first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
+            if shrink_seconds is not None:
+                stats.shrink_deadline = time.monotonic() + shrink_seconds
+        artefacts.offer(failure)
+
+    stats.on_failure = on_failure
     stats.on_example = progress
     captured = io.StringIO()
-    started = time.perf_counter()
-    interrupted = False
+    interrupted = shrink_cut = False
     test = hypothesis_seed(seed)(machine) if seed is not None else machine
     try:
         with with_reporter(lambda text: print(text, file=captured)):
@@ -147,12 +167,17 @@ def run_machine(
         if stats.failure is None:
             raise
         interrupted = True
+    except ShrinkBudgetSpent:
+        # Hypothesis's shrinker ran out of time; minimise the shortest failure by replay.
+        stats.failure = stats.shortest
+        shrink_cut = True
     except BaseException as error:
         if stats.failure is None:
             raise
         captured.write("".join(getattr(error, "__notes__", [])))
     finally:
         stats.on_failure = stats.on_example = None
+        stats.shrink_deadline = None
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
         try:
@@ -173,6 +198,8 @@ def run_machine(
         hypothesis_failure=stats.failure,
         minimized=minimized,
         interrupted=interrupted,
+        first_failure=first_failure[0] if first_failure else None,
+        shrink_cut=shrink_cut,
     )
     if failure is not None:
         written = artefacts.final(failure)

@@ -2,8 +2,8 @@
 
 A memo of outputs only catches a wrong output when the same history comes round
 again. A twin catches it the first time: a fresh engine from the same target,
-loaded the same way, fed that session's tokens one per step under another
-session id and epoch. Where the layer range can be split, a second twin runs
+loaded the same way, fed that session's tokens alone, chunked differently,
+under another session id and epoch. Where the layer range can be split, a second twin runs
 the same history through a two-stage pipeline of sub-range engines, which checks
 composition. Twins write the memo; the engine under test is only compared to it.
 """
@@ -93,29 +93,46 @@ class TwinSession:
             return cls(epoch, single, None, pipeline_refused=f"the engine cannot load a split of its range: {refusal}")
         return cls(epoch, single, pipeline)
 
+    steps: int = 0
+
     def advance(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
-        """Feed the twins the tokens of ``history`` they have not seen, one per step,
-        and remember what they answer for each prefix."""
+        """Feed the twins the part of ``history`` they have not seen, and remember
+        what they answer for each prefix they speak for.
+
+        The new tokens go in as two pieces, the first token alone and then the
+        rest, so the twins' chunk boundaries differ from the engine under test's
+        (chunking invariance) at a cost of two calls per twin, not one per token.
+        """
         assert history[: len(self.fed)] == self.fed, "a twin only ever moves forward"
-        for position in range(len(self.fed), len(history)):
-            token = history[position]
-            reference = self._feed(self.single, position, token)
-            if self.pipeline is not None:
-                piped = self._feed(self.pipeline, position, token)
-                difference = payload_difference(reference, piped, self.single[0].caps.tolerance)
+        start = len(self.fed)
+        for piece_start, piece_end in ((start, start + 1), (start + 1, len(history))):
+            if piece_end > piece_start:
+                self._feed_piece(history, piece_start, piece_end, memo)
+
+    def _feed_piece(self, history: tuple[int, ...], start: int, end: int, memo: HistoryMemo) -> None:
+        piece = history[start:end]
+        op = "decode" if start > 0 and len(piece) == 1 else "prefill"
+        action = step_action(op, TWIN_SESSION, 0, self.steps, piece)
+        references = self._feed(self.single, action)
+        ends = range(start + 1, end + 1) if len(references) == len(piece) else [end]
+        if self.pipeline is not None:
+            piped = self._feed(self.pipeline, action)
+            for position, reference, other in zip(ends, references, piped, strict=True):
+                difference = payload_difference(reference, other, self.single[0].caps.tolerance)
                 if difference is not None:
                     stages = " → ".join(stage.label for stage in self.pipeline)
                     message = (
-                        f"composition: for history {list(history[: position + 1])}, the pipeline {stages} "
+                        f"composition: after history {list(history[:position])}, the pipeline {stages} "
                         f"gave {difference} of the single engine ({self.single[0].label})"
                     )
                     raise OracleFailure("§3 composition", message)
-            self.fed = history[: position + 1]
-            memo.remember(self.fed, reference, f"a fresh twin ({self.single[0].label}, one token per step)")
+        self.steps += 1
+        self.fed = history[:end]
+        source = f"a fresh twin ({self.single[0].label}, chunked differently)"
+        for position, reference in zip(ends, references, strict=True):
+            memo.remember(history[:position], reference, source)
 
-    def _feed(self, stages: list[_Stage], position: int, token: int) -> Payload:
-        op = "prefill" if position == 0 else "decode"
-        action = step_action(op, TWIN_SESSION, 0, position, (token,))
+    def _feed(self, stages: list[_Stage], action: Action) -> list[Payload]:
         request = build_request(action, stages[0].caps)
         result = _send(stages[0], request, action)
         for stage in stages[1:]:
@@ -124,16 +141,19 @@ class TwinSession:
             request = replace(request, token_ids=None, bundle=result.output)
             result = _send(stage, request, action)
         assert result.output is not None
-        return payloads_of(result.output, 1)[-1]
+        return payloads_of(result.output, len(action.args["tokens"]))
 
 
 def _send(stage: _Stage, request: StepRequest, action: Action) -> StepResult:
     result = stage.engine.prefill(request) if isinstance(request, PrefillRequest) else stage.engine.decode(request)
-    where = f"a fresh twin ({stage.label}, one token per step) answered {action.describe()}"
     if not result.status.ok:
-        message = f"{where} with {result.status.code.name}: {result.status.message}"
+        message = f"{_where(stage, action)} with {result.status.code.name}: {result.status.message}"
         raise OracleFailure("§3 twin oracle", message)
     problems = output_problems(stage.caps, request, result)
     if problems:
-        raise OracleFailure("§3 shape and range", f"{where} with a bad output: {'; '.join(problems)}")
+        raise OracleFailure("§3 shape and range", f"{_where(stage, action)} with a bad output: {'; '.join(problems)}")
     return result
+
+
+def _where(stage: _Stage, action: Action) -> str:
+    return f"a fresh twin ({stage.label}) answered {action.describe()}"

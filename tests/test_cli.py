@@ -372,3 +372,30 @@ def test_fuzz_shows_live_progress_on_a_terminal_and_clears_it(
 def test_fuzz_prints_nothing_on_stderr_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", "--seed", "1", "--examples", "20", "--steps", "20"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_bench_json_prints_one_object_with_the_throughput_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--json", "--examples", "5", "--steps", "5", "--planted", "none"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert {"kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "per_role", "planted", "peak_rss_mb"} <= set(
+        figures
+    )
+    assert set(figures["per_role"]) == {"full", "head", "middle", "tail"}
+    for row in figures["per_role"].values():
+        assert row["kit_steps_per_s"] > 0
+        assert row["throughput_ratio"] == pytest.approx(row["kit_steps_per_s"] / row["bare_steps_per_s"], rel=0.01)
+    assert figures["planted"].startswith("skipped")
+
+
+def test_bench_reports_each_planted_engine_of_a_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """The full planted suite is the self-test's (test_machine.py); two engines show the bench's columns."""
+    arguments = ["bench", "--json", "--examples", "30", "--steps", "30", "--planted", "tests.planted_sample"]
+    assert main(arguments) == 0
+    rows = json.loads(capsys.readouterr().out)["planted"]
+    assert [row["engine"] for row in rows] == ["FailedCallsNotCounted", "OutputDependsOnChunking"]
+    for row in rows:
+        assert row["found"], row
+        assert row["shrunk_length"] == row["minimal_length"] == 1, row
+        assert row["random_walk_length"] >= row["shrunk_length"]
+        assert row["examples_to_first_failure"] >= 1
+    assert [row["caught_by_contract"] for row in rows] == [False, False]

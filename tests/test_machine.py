@@ -9,7 +9,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from shardkit import FakeShardEngine, ShardkitError, machine_for
 from shardkit.runner import FuzzResult, fuzz
 
-from .planted import PLANTED, PlantedEngine
+from .planted import PLANTED, PlantedEngine, names_its_property
 
 #: Every outcome SPEC §2 allows for each operation (UNAVAILABLE comes from calls
 #: to a never-loaded engine; fault injections answer OK).
@@ -48,10 +48,14 @@ def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
     result = planted_runs[engine]
     assert result.failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
     violation = result.failure.violation
-    assert violation.property.startswith(engine.PROPERTY), violation.message
+    assert names_its_property(engine, violation.property), violation.message
     steps = [record.action.describe() for record in result.failure.records]
-    # The minimum is stated next to each engine (tests/planted), e.g. 2 steps for a leak on release.
-    assert len(steps) == len(engine.MINIMAL), f"shrunk to {steps}, minimum is {engine.MINIMAL}"
+    # The minimum is stated next to each engine (tests/planted), e.g. 2 steps for a leak on release;
+    # a bug that needs dozens of steps only has to come within one step of it.
+    slack = 1 if engine.LATE else 0
+    assert len(engine.MINIMAL) <= len(steps) <= len(engine.MINIMAL) + slack, (
+        f"shrunk to {steps}, minimum is {engine.MINIMAL}"
+    )
 
 
 def test_a_failure_message_names_the_step_the_call_and_the_rule() -> None:
@@ -67,8 +71,10 @@ def test_a_failure_message_names_the_step_the_call_and_the_rule() -> None:
 
 @pytest.mark.parametrize("role", ["full", "head", "middle", "tail"])
 def test_the_fake_is_not_flagged_in_any_role_with_every_fault(role: str) -> None:
-    result = fuzz(FakeShardEngine, seed=11, examples=100, steps=50, role=role, faults="all")
+    """No false alarm: 4 roles × 250 examples = 1 000 examples with every fault."""
+    result = fuzz(FakeShardEngine, seed=11, examples=250, steps=50, role=role, faults="all")
     assert result.failure is None, result.failure and result.failure.violation.message
+    assert result.examples >= 250
 
 
 def test_every_allowed_outcome_is_reached_under_the_ci_profile() -> None:

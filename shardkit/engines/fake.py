@@ -10,8 +10,10 @@ id, epoch number, call counts, other sessions, sidebands) enters a hash.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -49,6 +51,8 @@ from shardkit.contract import (
 __all__ = ["FakeEngineCrash", "FakeShardEngine", "FakeShardEngineConfig"]
 
 _FLOAT32 = np.dtype("<f4")
+_BIG_ENDIAN = sys.byteorder == "big"
+_TWO_TO_MINUS_15 = 2.0**-15
 _OK = StructuredStatus(StatusCode.OK)
 _StepRequest = PrefillRequest | DecodeRequest
 
@@ -113,6 +117,19 @@ def _unit_floats(material: bytes, count: int) -> npt.NDArray[np.float32]:
     return (words.astype(np.float32) / np.float32(32768) - np.float32(1)).astype(_FLOAT32)
 
 
+def _unit_float_bytes(material: bytes, count: int) -> bytes:
+    """``_unit_floats(material, count).tobytes()`` without numpy: rows are hashed once
+    per layer per token, and for a handful of values the array module is faster.
+    Bit-identical: ``w / 2**15 - 1`` is exact in float64 and representable in float32."""
+    words = array.array("H", hashlib.shake_256(material).digest(2 * count))
+    if _BIG_ENDIAN:
+        words.byteswap()
+    values = array.array("f", [word * _TWO_TO_MINUS_15 - 1.0 for word in words])
+    if _BIG_ENDIAN:
+        values.byteswap()
+    return values.tobytes()
+
+
 @dataclass(frozen=True)
 class _Loaded:
     seed: bytes
@@ -124,7 +141,7 @@ class _Loaded:
         return [hashlib.sha256(self.seed + b"chain" + _u64(layer)).digest() for layer in self.layers]
 
     def embed(self, token_id: int, hidden_size: int) -> bytes:
-        return _unit_floats(self.seed + b"embed" + _u64(token_id), hidden_size).tobytes()
+        return _unit_float_bytes(self.seed + b"embed" + _u64(token_id), hidden_size)
 
     def run_layers(self, chains: list[bytes], rows: list[bytes], hidden_size: int) -> list[bytes]:
         """Push ``rows`` through the shard's layers in order, advancing ``chains`` in place."""
@@ -132,7 +149,7 @@ class _Loaded:
         for row in rows:
             for index, layer in enumerate(self.layers):
                 chains[index] = hashlib.sha256(chains[index] + _u64(layer) + row).digest()
-                row = _unit_floats(b"layer" + _u64(layer) + chains[index], hidden_size).tobytes()
+                row = _unit_float_bytes(b"layer" + _u64(layer) + chains[index], hidden_size)
             outputs.append(row)
         return outputs
 

@@ -38,9 +38,13 @@ class PlantedEngine(ShardEngine):
 
     BUG: ClassVar[str]
     PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
+    #: Other properties through which the same bug may surface first, depending on the sequence.
+    ALSO: ClassVar[tuple[str, ...]] = ()
     MINIMAL: ClassVar[tuple[str, ...]]  # the minimal failing sequence, one step per line
     ROLE: ClassVar[str] = "full"
     CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
+    #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
+    LATE: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.inner = FakeShardEngine()
@@ -249,6 +253,7 @@ class SessionStateBleeds(PlantedEngine):
 class EvictsLiveSessions(PlantedEngine):
     BUG = "when every slot is taken, the oldest live session is evicted silently to make room"
     PROPERTY = "§2 rule 7"
+    ALSO = ("§2 metrics",)  # an eviction that still ends refused shows only in the counts
     MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0, tokens=64 of them)  # a is evicted")
 
     def __init__(self) -> None:
@@ -355,6 +360,131 @@ class CancelledSessionStillServes(PlantedEngine):
         return result
 
 
+class PrefixCacheKeyedOnFirstToken(PlantedEngine):
+    BUG = "a prefix cache keyed on the first token serves another prompt's cached answer"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(b, epoch=0, step=0, tokens=[0, 3])")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_cache: dict[int, StepResult] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if not (result.status.ok and request.step == 0 and request.token_ids):
+            return result
+        cached = self.prefix_cache.setdefault(request.token_ids[0], result)
+        return replace(result, output=cached.output)
+
+
+class RefusedPrefillPoisonsSession(PlantedEngine):
+    BUG = "a prefill refused for capacity leaves half-written cache rows that corrupt later outputs"
+    PROPERTY = "§3 determinism"
+    MINIMAL = (
+        "prefill(a, epoch=0, step=0, tokens=[0])",
+        "prefill(a, epoch=0, step=1, tokens=64 of them)  # refused",
+        "decode(a, epoch=0, step=1)",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.poisoned: set[str] = set()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._serve(request, self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._serve(request, self.inner.decode(request))
+
+    def _serve(self, request: StepRequest, result: StepResult) -> StepResult:
+        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and request.step > 0:
+            self.poisoned.add(request.session_id)
+        elif result.status.ok and request.step == 0:
+            self.poisoned.discard(request.session_id)
+        return _shift_token(result) if request.session_id in self.poisoned else result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.poisoned.discard(session_id)
+        return self.inner.release(session_id)
+
+
+class RequestIdWrapsAt32(PlantedEngine):
+    BUG = "a 5-bit request id wraps after 32 calls and from the 32nd on answers go to the wrong slot"
+    PROPERTY = "§3 determinism"
+    MINIMAL = (*("any prefill or decode (31 of them)",) * 31, "prefill(...)  # the 32nd call answers wrongly")
+    LATE = True  # needs dozens of steps: shrinking only has to come within one step
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._count(self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._count(self.inner.decode(request))
+
+    def _count(self, result: StepResult) -> StepResult:
+        self.calls += 1
+        return _shift_token(result) if self.calls >= 32 else result
+
+
+class DelayedStepTimesOut(PlantedEngine):
+    BUG = "a step delayed by a slow host answers DEADLINE_EXCEEDED instead of its result"
+    PROPERTY = "§2 rule 8"
+    MINIMAL = ("fault(delay, value=0.0)", "prefill(a, epoch=0, step=0)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delayed = False
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        if fault.kind == "delay":
+            self.delayed = True
+        return self.inner.inject_fault(fault)
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        if self.delayed:
+            self.delayed = False
+            self.inner.metrics()  # the request never reaches the cache
+            self.inner.prefill(replace(request, session_id=""))  # ...but it is counted as a call
+            return StepResult(StructuredStatus(StatusCode.DEADLINE_EXCEEDED, "timed out", True), CacheResult.MISS)
+        return self.inner.prefill(request)
+
+
+class RestartKeepsOldEpochCache(PlantedEngine):
+    BUG = "a restart at a higher epoch keeps serving from the old epoch's cache (no epoch check on reuse)"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(a, epoch=1, step=0, tokens=[0])  # epoch bump")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: dict[str, int] = {}
+        self.stale: set[str] = set()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        known = self.epochs.get(request.session_id)
+        if result.status.ok and request.step == 0:
+            if known is not None and request.epoch > known:
+                self.stale.add(request.session_id)
+            self.epochs[request.session_id] = request.epoch
+        return _shift_token(result) if request.session_id in self.stale else result
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        return _shift_token(result) if request.session_id in self.stale else result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.epochs.pop(session_id, None)
+        self.stale.discard(session_id)
+        return self.inner.release(session_id)
+
+
+def names_its_property(engine: type[PlantedEngine], property_name: str) -> bool:
+    return any(property_name.startswith(expected) for expected in (engine.PROPERTY, *engine.ALSO))
+
+
 PLANTED: tuple[type[PlantedEngine], ...] = (
     StaleEpochAccepted,
     DecodeOfUnknownSessionServed,
@@ -370,4 +500,9 @@ PLANTED: tuple[type[PlantedEngine], ...] = (
     FailedCallsNotCounted,
     MemoryPressureIgnored,
     CancelledSessionStillServes,
+    PrefixCacheKeyedOnFirstToken,
+    RefusedPrefillPoisonsSession,
+    RequestIdWrapsAt32,
+    DelayedStepTimesOut,
+    RestartKeepsOldEpochCache,
 )

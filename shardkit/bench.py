@@ -1,0 +1,224 @@
+"""``shardkit bench``: throughput, time-to-find and shrink quality, measured side by side.
+
+Ratios are taken within one process and one run, so a noisy shared machine
+shifts both sides alike. Nothing here asserts a speed: it prints figures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+from .conformance import assert_shard_engine_contract
+from .engines import FakeShardEngine
+from .errors import ContractViolation
+from .machine import ROLES, FailureReport, ShardMachine, machine_for
+from .runner import fuzz
+
+__all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    examples: int = 200
+    steps: int = 50
+    seed: int = 1
+    planted_module: str | None = "tests.planted"
+
+
+def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
+    """A machine of the same shape as ``machine`` — the same rules drawing the same
+    strategies — whose rules do nothing but count: what Hypothesis alone costs."""
+    shape = machine.setup_state()
+    namespace: dict[str, Any] = {"steps": 0}
+
+    def counting(name: str) -> Callable[..., None]:
+        def step(self: RuleBasedStateMachine, **arguments: int) -> None:
+            type(self).steps += 1  # type: ignore[attr-defined]
+
+        step.__name__ = name
+        return step
+
+    for initializer in shape.initializers:
+        namespace[initializer.function.__name__] = initialize(**initializer.arguments)(counting("init"))  # type: ignore[no-untyped-call]
+    for each in shape.rules:
+        namespace[each.function.__name__] = rule(**each.arguments)(counting(each.function.__name__))  # type: ignore[no-untyped-call]
+    return type(f"Bare{machine.__name__}", (RuleBasedStateMachine,), namespace)
+
+
+def bare_steps_per_second(machine: type[ShardMachine], examples: int, steps: int, seed: int) -> float:
+    bare = bare_machine_like(machine)
+    run_settings = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    started = time.perf_counter()
+    run_state_machine_as_test(hypothesis_seed(seed)(bare), settings=run_settings)
+    counted: int = bare.steps  # type: ignore[attr-defined]
+    return counted / (time.perf_counter() - started)
+
+
+def _throughput(config: BenchSettings) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for role in ROLES:
+        kit = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
+        bare = bare_steps_per_second(
+            machine_for(FakeShardEngine, role=role), config.examples, config.steps, config.seed
+        )
+        kit_rate = kit.steps / kit.elapsed_s
+        rows[role] = {
+            "kit_steps_per_s": round(kit_rate, 1),
+            "bare_steps_per_s": round(bare, 1),
+            "throughput_ratio": round(kit_rate / bare, 3),
+        }
+    return rows
+
+
+def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
+    if config.planted_module is None:
+        return "skipped (--planted none)"
+    try:
+        module = importlib.import_module(config.planted_module)
+    except ImportError as error:
+        return f"skipped: cannot import {config.planted_module!r} ({error}); run from a shardkit checkout"
+    rows = []
+    for engine in module.PLANTED:
+        started = time.perf_counter()
+        result = fuzz(
+            f"{config.planted_module}:{engine.__name__}",
+            seed=config.seed,
+            examples=config.examples,
+            steps=config.steps,
+            role=engine.ROLE,
+        )
+        total = time.perf_counter() - started
+        first_examples, first_seconds, walk_length = result.first_failure or (None, None, None)
+        try:
+            assert_shard_engine_contract(getattr(module, engine.__name__))
+            caught_by_contract = False
+        except ContractViolation:
+            caught_by_contract = True
+        found = result.failure is not None and module.names_its_property(engine, result.failure.violation.property)
+        shrunk = len(result.failure.records) if result.failure is not None else None
+        hypothesis_length = _length(result.hypothesis_failure)
+        rows.append(
+            {
+                "engine": engine.__name__,
+                "bug": engine.BUG,
+                "found": found,
+                "property": result.failure.violation.property if result.failure is not None else None,
+                "examples_to_first_failure": first_examples,
+                "seconds_to_first_failure": _rounded(first_seconds),
+                "random_walk_length": walk_length,
+                "shrunk_length": shrunk,
+                "hypothesis_shrunk_length": hypothesis_length,
+                "minimal_length": len(engine.MINIMAL),
+                "seconds_shrinking": _rounded(total - first_seconds) if first_seconds is not None else None,
+                "caught_by_contract": caught_by_contract,
+            }
+        )
+    return rows
+
+
+def _length(failure: FailureReport | None) -> int | None:
+    return len(failure.records) if failure is not None else None
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+def run_bench(config: BenchSettings) -> dict[str, Any]:
+    started = time.perf_counter()
+    throughput = _throughput(config)
+    planted = _planted(config)
+    full = throughput["full"]
+    return {
+        "examples": config.examples,
+        "steps": config.steps,
+        "seed": config.seed,
+        "kit_steps_per_s": full["kit_steps_per_s"],
+        "bare_steps_per_s": full["bare_steps_per_s"],
+        "throughput_ratio": full["throughput_ratio"],
+        "per_role": throughput,
+        "planted": planted,
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+
+
+_PLANTED_COLUMNS = (
+    ("examples", "examples_to_first_failure"),
+    ("secs", "seconds_to_first_failure"),
+    ("walk", "random_walk_length"),
+    ("hyp", "hypothesis_shrunk_length"),
+    ("shrunk", "shrunk_length"),
+    ("min", "minimal_length"),
+    ("shrink s", "seconds_shrinking"),
+)
+
+
+def render(bench: dict[str, Any]) -> str:
+    lines = [
+        f"throughput, {bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']} (fake engine, faults on):",
+        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}",
+    ]
+    for role, row in bench["per_role"].items():
+        lines.append(
+            f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
+        )
+    planted = bench["planted"]
+    if isinstance(planted, str):
+        lines.append(f"planted bugs: {planted}")
+    else:
+        lines.append("planted bugs (walk: length of the first failing example, as a random walk reports it):")
+        heading = "".join(f" {title:>8}" for title, _ in _PLANTED_COLUMNS)
+        lines.append(f"  {'engine':<30} {'found':<5}{heading} {'contract':>8}")
+        for row in planted:
+            cells = "".join(f" {_cell(row[key]):>8}" for _, key in _PLANTED_COLUMNS)
+            caught = "caught" if row["caught_by_contract"] else "-"
+            lines.append(f"  {row['engine']:<30} {'yes' if row['found'] else 'NO':<5}{cells} {caught:>8}")
+        lines.append("  " + _planted_summary(planted))
+    lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def _planted_summary(planted: list[dict[str, Any]]) -> str:
+    found = [row for row in planted if row["found"]]
+    at_minimum = [row for row in found if row["shrunk_length"] == row["minimal_length"]]
+    within_one = [row for row in found if row["shrunk_length"] <= row["minimal_length"] + 1]
+    contract = sum(row["caught_by_contract"] for row in planted)
+    return (
+        f"found {len(found)}/{len(planted)}; at the minimum {len(at_minimum)}/{len(planted)}, within one step "
+        f"{len(within_one)}/{len(planted)}; median time to first failure "
+        f"{_cell(_median([row['seconds_to_first_failure'] for row in found]))} s; median random-walk length "
+        f"{_cell(_median([row['random_walk_length'] for row in found]))} steps vs shrunk "
+        f"{_cell(_median([row['shrunk_length'] for row in found]))}; the static contract alone catches "
+        f"{contract}/{len(planted)}"
+    )
+
+
+def _median(values: list[Any]) -> Any:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
