@@ -89,6 +89,12 @@ def _parser() -> _Parser:
         help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}",
     )
     fuzz.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
+    fuzz.add_argument(
+        "--reference",
+        default=None,
+        metavar="TARGET",
+        help="build the twin oracle from this engine instead: fuzz TARGET differentially against it",
+    )
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
 
@@ -146,6 +152,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             role=args.role,
             faults=args.faults,
             twins=not args.no_twins,
+            reference=args.reference,
             out=args.out,
             progress=progress,
         )

@@ -154,6 +154,7 @@ class Driver:
         *,
         faults: frozenset[str] = frozenset(),
         twins: bool = True,
+        reference: ResolvedTarget | None = None,
         model_factory: Callable[[], ReferenceModel] = ReferenceModel,
         custom_ops: Mapping[str, CustomOp] | None = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -162,6 +163,9 @@ class Driver:
         self.load_request = load_request
         self.wanted_faults = faults
         self.use_twins = twins
+        #: The engine the twins are built from: the target itself, or a reference
+        #: implementation to fuzz the target differentially against.
+        self.reference = reference or target
         self.model_factory = model_factory
         self.custom_ops: Mapping[str, CustomOp] = custom_ops or {}
         self.sleep = sleep
@@ -366,7 +370,7 @@ class Driver:
         try:
             twin = self.twins.get(session_id)
             if twin is None or twin.epoch != session.epoch or key[: len(twin.fed)] != twin.fed:
-                twin = TwinSession.start(self.target, self.load_request, session.epoch, split=self.split_twins)
+                twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
                 self.twins[session_id] = twin
                 if twin.pipeline_refused is not None:
                     self.split_twins = False

@@ -196,6 +196,7 @@ class ShardMachine(RuleBasedStateMachine):
     role: ClassVar[Role | None] = None
     fault_kinds: ClassVar[frozenset[str]] = frozenset()
     use_twins: ClassVar[bool] = True
+    reference: ClassVar[ResolvedTarget | None] = None
     model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel
     #: Operations a backend adds; subclasses list them here (see CustomOp).
     custom_ops: ClassVar[Mapping[str, CustomOp]] = {}
@@ -243,6 +244,7 @@ class ShardMachine(RuleBasedStateMachine):
             request,
             faults=self.fault_kinds,
             twins=self.use_twins,
+            reference=self.reference,
             model_factory=type(self).model_factory,
             custom_ops=self.custom_ops,
         )
@@ -422,6 +424,7 @@ def machine_for(
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
+    reference: str | EngineFactory | ResolvedTarget | None = None,
     model: Callable[[], ReferenceModel] = ReferenceModel,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
@@ -430,7 +433,8 @@ def machine_for(
 
     ``role`` pins the shard role (None or "any" draws one per example); ``faults``
     is True/"all", False/"none" or a list of kinds; ``twins`` turns the twin
-    oracle on; ``model`` builds the reference model (subclass it to extend the
+    oracle on; ``reference`` builds the twins from another engine, which fuzzes
+    the target differentially against it (same statuses, same outputs); ``model`` builds the reference model (subclass it to extend the
     rules, see stateful/test_extending_rules.py); ``base`` is the machine class to
     extend with the fault rules.
     """
@@ -448,6 +452,9 @@ def machine_for(
         raise ShardkitError(message)
     if not loadable:
         message = f"{target.name} refused to load even its whole range of {caps.total_layers} layers"
+        raise ShardkitError(message)
+    if reference is not None and not twins:
+        message = "a reference engine is compared through the twin oracle; drop --no-twins or the reference"
         raise ShardkitError(message)
     wanted = parse_faults(faults)
     everything = faults is True or faults == "all"
@@ -467,7 +474,15 @@ def machine_for(
         )
         raise ShardkitError(message)
     namespace: dict[str, Any] = {
-        "build_options": {"role": role, "faults": faults, "twins": twins, "model": model, "base": base},
+        "build_options": {
+            "role": role,
+            "faults": faults,
+            "twins": twins,
+            "reference": reference,
+            "model": model,
+            "base": base,
+        },
+        "reference": resolve_target(reference) if reference is not None else None,
         "target": target,
         "role": role,
         "fault_kinds": native | boundary,

@@ -57,6 +57,7 @@ def replay_actions(
         failure.load_request,
         faults=failure.faults,
         twins=machine.use_twins,
+        reference=machine.reference,
         model_factory=machine.model_factory,
         custom_ops=machine.custom_ops,
     )

@@ -42,6 +42,7 @@ class Trace:
     load_request: LoadRequest
     faults: frozenset[str]
     twins: bool
+    reference: str | None
     seed: int | None
     actions: tuple[Action, ...]
     failure: Violation
@@ -173,6 +174,9 @@ def load_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     twins = document.get("twins", True)
     if not isinstance(twins, bool):
         raise schema.fail("twins", "must be true or false")
+    reference = document.get("reference")
+    if reference is not None:
+        reference = schema.text(reference, "reference")
     seed = document.get("seed")
     if seed is not None:
         seed = schema.integer(seed, "seed", 0, MAX_INT)
@@ -187,7 +191,7 @@ def load_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
         schema.text(schema.field(failure, "message", "failure"), "failure.message"),
     )
     load_request = LoadRequest(model_id, start, end, total, recipe)
-    return Trace(path, target, load_request, frozenset(faults_field), twins, seed, actions, violation)
+    return Trace(path, target, load_request, frozenset(faults_field), twins, reference, seed, actions, violation)
 
 
 def _action(schema: _Schema, step: Any, index: int, custom_ops: Mapping[str, CustomOp]) -> Action:
@@ -281,7 +285,13 @@ def replay(
     trace = load_trace(trace_path, custom_ops)
     engine = resolve_target(target if target is not None else trace.target)
     driver = Driver(
-        engine, trace.load_request, faults=trace.faults, twins=trace.twins, model_factory=model, custom_ops=custom_ops
+        engine,
+        trace.load_request,
+        faults=trace.faults,
+        twins=trace.twins,
+        reference=resolve_target(trace.reference) if trace.reference is not None else None,
+        model_factory=model,
+        custom_ops=custom_ops,
     )
     for action in trace.actions:
         try:

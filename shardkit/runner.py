@@ -121,6 +121,7 @@ class _Artefacts:
             violation=failure.violation,
             seed=self.seed,
             twins=self.machine.use_twins,
+            reference=self.machine.reference.name if self.machine.reference is not None else None,
         )
 
 
@@ -217,6 +218,7 @@ def fuzz(
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
+    reference: str | EngineFactory | ResolvedTarget | None = None,
     out: Path | None = None,
     model: Callable[[], ReferenceModel] = ReferenceModel,
     base: type[ShardMachine] = ShardMachine,
@@ -227,7 +229,7 @@ def fuzz(
     by replay (unless ``minimize`` is False) and write its trace and regression
     test under ``out`` (if given)."""
     resolved = resolve_target(target)
-    machine = machine_for(resolved, role=role, faults=faults, twins=twins, model=model, base=base)
+    machine = machine_for(resolved, role=role, faults=faults, twins=twins, reference=reference, model=model, base=base)
     run_settings = settings(
         max_examples=examples,
         stateful_step_count=steps,
@@ -241,6 +243,8 @@ def fuzz(
     )
     result = run_machine(machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress)
     result.rerun_command = _fuzz_command(resolved.name, seed, examples, steps, role, faults, twins)
+    if machine.reference is not None:
+        result.rerun_command += f" --reference {machine.reference.name}"
     return result
 
 

@@ -28,6 +28,7 @@ def trace_document(
     violation: Violation,
     seed: int | None,
     twins: bool = True,
+    reference: str | None = None,
 ) -> dict[str, Any]:
     steps = [
         {**record.action.to_json(), "expected": record.expected, "observed": record.observed} for record in records
@@ -52,6 +53,7 @@ def trace_document(
         },
         "faults_enabled": sorted(faults),
         "twins": twins,
+        "reference": reference,
         "fault_steps": fault_steps,
         "seed": seed,
         "steps": steps,

@@ -60,6 +60,11 @@ class _Stage:
     label: str
 
 
+def _engine_name(build: Callable[[], ShardEngine]) -> str:
+    name = getattr(build, "name", None) or getattr(build, "__qualname__", "engine")
+    return str(name).rpartition(":")[2]
+
+
 def _load_stage(build: Callable[[], ShardEngine], request: LoadRequest, start: int, end: int) -> _Stage:
     engine = build()
     sub = LoadRequest(request.model_id, start, end, request.total_layers, request.recipe)
@@ -84,6 +89,7 @@ class TwinSession:
     @classmethod
     def start(cls, build: Callable[[], ShardEngine], request: LoadRequest, epoch: int, split: bool) -> TwinSession:
         single = [_load_stage(build, request, request.shard_start, request.shard_end)]
+        single[0].label = f"{_engine_name(build)}, {single[0].label}"
         ranges = split_ranges(request) if split else None
         if ranges is None:
             return cls(epoch, single, None)

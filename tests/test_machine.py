@@ -173,3 +173,17 @@ def test_without_twins_the_malformed_output_fault_is_left_out_or_refused() -> No
     assert "malformed_output" not in machine_for(FakeShardEngine, faults="all", twins=False).fault_kinds
     with pytest.raises(ShardkitError, match="malformed_output fault needs the twin oracle"):
         machine_for(FakeShardEngine, faults="malformed_output,crash", twins=False)
+
+
+def test_a_reference_engine_fuzzes_the_target_differentially() -> None:
+    """Twins built from another implementation: the fake agrees with itself, a chunking bug does not."""
+    from .planted import OutputDependsOnChunking
+
+    clean = fuzz(FakeShardEngine, seed=2, examples=60, steps=40, role="full", reference="shardkit:FakeShardEngine")
+    assert clean.failure is None, clean.failure and clean.failure.violation.message
+    buggy = fuzz(OutputDependsOnChunking, seed=3, examples=100, steps=40, role="full", reference=FakeShardEngine)
+    assert buggy.failure is not None
+    assert buggy.failure.violation.property == "§3 determinism"
+    assert "FakeShardEngine" in buggy.failure.violation.message
+    with pytest.raises(ShardkitError, match="reference engine is compared through the twin oracle"):
+        machine_for(FakeShardEngine, twins=False, reference=FakeShardEngine)
