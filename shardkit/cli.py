@@ -19,7 +19,7 @@ from ._version import __version__
 from .contract import FAULT_KINDS
 from .errors import ContractViolation, InvalidTarget, ShardkitError
 from .machine import ROLES, parse_faults
-from .runner import DEFAULT_OUT
+from .runner import DEFAULT_OUT, parse_seed
 from .targets import DEFAULT_TARGET, resolve_target
 
 __all__ = ["main"]
@@ -54,13 +54,9 @@ def _positive_int(name: str) -> type[int]:
 
 def _seed(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**64:
-        message = f"--seed must be an integer in [0, 2**64), got {text!r}"
-        raise argparse.ArgumentTypeError(message)
-    return value
+        return parse_seed(text, "--seed")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _faults(text: str) -> str:
@@ -81,7 +77,9 @@ def _parser() -> _Parser:
     fuzz.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
     fuzz.add_argument("--examples", type=_positive_int("--examples"), default=200, help="examples to run (200)")
     fuzz.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
-    fuzz.add_argument("--seed", type=_seed, default=None, help="seed of the whole run (default: chosen and printed)")
+    fuzz.add_argument(
+        "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
+    )
     fuzz.add_argument(
         "--faults",
         type=_faults,

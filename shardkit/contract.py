@@ -359,7 +359,7 @@ class TokenOutput:
             _set(self, "margin", float(self.margin))
 
 
-def _check_step_request(owner: str, request: PrefillRequest | DecodeRequest) -> None:
+def _check_step_request(owner: str, request: _StepRequestFields) -> None:
     _check_str(owner, "session_id", request.session_id)
     _check_int(owner, "epoch", request.epoch)
     _check_int(owner, "step", request.step)
@@ -374,7 +374,10 @@ def _check_step_request(owner: str, request: PrefillRequest | DecodeRequest) -> 
 
 
 @dataclass(frozen=True)
-class PrefillRequest:
+class _StepRequestFields:
+    """The fields prefill and decode share; each stays its own type, so a prefill is
+    never equal to a decode with the same fields (a retry must repeat the operation)."""
+
     session_id: str
     epoch: int
     step: int
@@ -382,19 +385,17 @@ class PrefillRequest:
     bundle: BoundaryBundle | None = None
 
     def __post_init__(self) -> None:
-        _check_step_request("PrefillRequest", self)
+        _check_step_request(type(self).__name__, self)
 
 
 @dataclass(frozen=True)
-class DecodeRequest:
-    session_id: str
-    epoch: int
-    step: int
-    token_ids: tuple[int, ...] | None = None
-    bundle: BoundaryBundle | None = None
+class PrefillRequest(_StepRequestFields):
+    """A chunk of one or more tokens (or bundle rows) for a session's next step."""
 
-    def __post_init__(self) -> None:
-        _check_step_request("DecodeRequest", self)
+
+@dataclass(frozen=True)
+class DecodeRequest(_StepRequestFields):
+    """Exactly one token (or bundle row) for a session's next step."""
 
 
 @dataclass(frozen=True)

@@ -133,29 +133,25 @@ def minimize_failure(
     target = failure.violation.property
     best = failure
 
-    def choices_fail(choices: list[Choice]) -> bool:
+    def same_failure(found: FailureReport | None) -> bool:
+        """Whether a replay still violates the same property; keeps the shortest one."""
         nonlocal best
         budget.replays += 1
-        found = _replay_choices(machine, failure, choices)
         if found is None or found.violation.property != target:
             return False
         if len(found.records) <= len(best.records):
             best = found
         return True
+
+    def choices_fail(choices: list[Choice]) -> bool:
+        return same_failure(_replay_choices(machine, failure, choices))
+
+    def actions_fail(actions: list[Action]) -> bool:
+        return same_failure(replay_actions(machine, failure, actions))
 
     if failure.choices and choices_fail(list(failure.choices)):
         choices, _ = _delete_runs(list(failure.choices), choices_fail, budget)
         _lower_arguments(choices, choices_fail, budget)
-
-    def actions_fail(actions: list[Action]) -> bool:
-        nonlocal best
-        budget.replays += 1
-        found = replay_actions(machine, failure, actions)
-        if found is None or found.violation.property != target:
-            return False
-        if len(found.records) <= len(best.records):
-            best = found
-        return True
 
     one_minimal = False
     actions = [record.action for record in best.records]

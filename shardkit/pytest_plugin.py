@@ -4,7 +4,6 @@ command in a failing suite's report. A thin adapter: the work is in ``runner``."
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,16 +34,12 @@ def session_overrides() -> SessionOverrides:
 
 
 def _seed(text: str) -> int:
-    if text == "random":
-        return random.SystemRandom().randrange(2**32)
+    from .runner import parse_seed
+
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**64:
-        message = f"{SEED_OPTION} must be an integer in [0, 2**64) or 'random', got {text!r}"
-        raise pytest.UsageError(message)
-    return value
+        return parse_seed(text, SEED_OPTION)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

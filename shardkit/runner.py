@@ -10,6 +10,7 @@ reported failure's trace and regression test replace it.
 from __future__ import annotations
 
 import io
+import random
 import re
 import time
 from collections import Counter
@@ -32,7 +33,16 @@ from .regression import regression_test_source
 from .targets import EngineFactory, ResolvedTarget, resolve_target
 from .trace import trace_document, write_atomically
 
-__all__ = ["DEFAULT_OUT", "FuzzResult", "fuzz", "report_document", "rerun_hint", "run_as_test", "run_machine"]
+__all__ = [
+    "DEFAULT_OUT",
+    "FuzzResult",
+    "fuzz",
+    "parse_seed",
+    "report_document",
+    "rerun_hint",
+    "run_as_test",
+    "run_machine",
+]
 
 DEFAULT_OUT = Path(".shardkit/failures")
 DEFAULT_SHRINK_SECONDS = 10.0
@@ -123,6 +133,20 @@ class _Artefacts:
             twins=self.machine.use_twins,
             reference=self.machine.reference.name if self.machine.reference is not None else None,
         )
+
+
+def parse_seed(text: str, option: str) -> int:
+    """A seed from the command line: an integer in [0, 2**64), or "random" for a fresh one."""
+    if text == "random":
+        return random.SystemRandom().randrange(2**32)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        message = f"{option} must be an integer in [0, 2**64) or 'random', got {text!r}"
+        raise ValueError(message)
+    return value
 
 
 def _slug(text: str) -> str:

@@ -229,7 +229,7 @@ def test_contract_of_a_missing_module_is_a_one_line_usage_error(capsys: pytest.C
     [
         (["fuzz", "--steps", "0"], "--steps must be a positive integer, got '0'"),
         (["fuzz", "--examples", "abc"], "--examples must be a positive integer, got 'abc'"),
-        (["fuzz", "--seed", "-1"], "--seed must be an integer in [0, 2**64), got '-1'"),
+        (["fuzz", "--seed", "-1"], "--seed must be an integer in [0, 2**64) or 'random', got '-1'"),
         (["fuzz", "--faults", "flood"], "'flood'"),
         (["fuzz", "--role", "edge"], "'edge'"),
         (["frobnicate"], "'frobnicate'"),
