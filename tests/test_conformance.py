@@ -59,3 +59,21 @@ def test_an_engine_that_raises_is_reported_not_crashed_on() -> None:
         ContractViolation, match=r"\[release then decode is NOT_FOUND\] the engine raised RuntimeError: segfault-ish"
     ):
         assert_shard_engine_contract(Exploding)
+
+
+def test_the_fake_skips_no_check() -> None:
+    assert assert_shard_engine_contract(FakeShardEngine) == []
+
+
+def test_role_checks_are_skipped_with_a_reason_for_an_engine_that_serves_only_its_whole_range() -> None:
+    from shardkit import EngineError, LoadRequest, LoadResult, StatusCode, StructuredStatus
+
+    class WholeOnly(FakeShardEngine):
+        def load(self, request: LoadRequest) -> LoadResult:
+            if request.role != "full":
+                raise EngineError(StructuredStatus(StatusCode.INVALID_ARGUMENT, "whole model only"))
+            return super().load(request)
+
+    skipped = assert_shard_engine_contract(WholeOnly)
+    assert len(skipped) == 3
+    assert all(reason.endswith("INVALID_ARGUMENT: whole model only") for reason in skipped)

@@ -187,3 +187,18 @@ def test_a_reference_engine_fuzzes_the_target_differentially() -> None:
     assert "FakeShardEngine" in buggy.failure.violation.message
     with pytest.raises(ShardkitError, match="reference engine is compared through the twin oracle"):
         machine_for(FakeShardEngine, twins=False, reference=FakeShardEngine)
+
+
+def test_an_exception_from_metrics_is_a_reported_failure_not_a_crash_of_the_kit() -> None:
+    class MetricsExplode(FakeShardEngine):
+        def metrics(self):  # type: ignore[no-untyped-def]
+            if self.health().serving and super().metrics().prefill_calls > 0:
+                message = "metrics backend unreachable"
+                raise RuntimeError(message)
+            return super().metrics()
+
+    result = fuzz(MetricsExplode, seed=3, examples=50, steps=20, role="full")
+    assert result.failure is not None
+    assert result.failure.violation.property == "unexplained exception"
+    assert "RuntimeError: metrics backend unreachable" in result.failure.violation.message
+    assert len(result.failure.records) == 1
