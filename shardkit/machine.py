@@ -402,7 +402,7 @@ def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
     """One rule for every fault kind, so faults stay a small share of the steps.
 
     ``value`` is relative to the model's state where that matters: memory
-    pressure lowers the limit to the tokens in use plus ``value`` (never raises it).
+    pressure lowers the limit to the tokens in use plus ``value % 4`` (never raises it).
     """
     kinds = [name for name in FAULT_KINDS if name in self.fault_kinds]
     chosen = kinds[kind % len(kinds)]
@@ -410,7 +410,8 @@ def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
         amount = DELAYS[value % len(DELAYS)]
     elif chosen == "memory_pressure":
         model = self.driver.model
-        amount = float(min(model.max_kv_tokens, model.kv_tokens + value))
+        # A few tokens of headroom at most: pressure that bites soon is the interesting kind.
+        amount = float(min(model.max_kv_tokens, model.kv_tokens + value % 4))
     elif chosen == "crash":
         amount = float(value % 4 + 1)
     else:

@@ -129,7 +129,10 @@ def _parse(path: Path) -> Mapping[str, Any]:
         message = f"{path} is not UTF-8 text; is it a shardkit trace?"
         raise TraceFormatError(message) from None
     except json.JSONDecodeError as error:
-        hint = " (the file looks truncated)" if error.pos >= len(text.rstrip()) else ""
+        # The decoder stops at the end of the text, or reports a string that never closes
+        # (it only says so on reaching the end): either way the file was cut short.
+        cut_short = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
+        hint = " (the file looks truncated)" if cut_short else ""
         message = f"{path} is not valid JSON{hint}: {error.msg} at line {error.lineno} column {error.colno}"
         raise TraceFormatError(message) from None
     except RecursionError:
