@@ -16,7 +16,10 @@ Where things live:
 - ``replay``    — trace files read back (validated as untrusted input) and re-run.
 - ``pytest_plugin`` — ``--shardkit-engine`` / ``--shardkit-seed`` for the stateful suites.
 - ``cli``       — the ``shardkit`` command, a thin adapter over the above.
-- ``engines/``  — the bundled engines: ``FakeShardEngine``, the deterministic fixture.
+- ``engines/``  — the bundled engines: ``FakeShardEngine`` (the deterministic fixture),
+  ``NumpyShardEngine`` (a real llama-style decoder), ``PipelineEngine`` (a coordinator
+  chaining shards), ``llama_cpp.LlamaCppShardEngine`` (llama.cpp, extra ``llama``), and
+  ``gguf_io`` (GGUF weights, extra ``gguf``).
 - ``errors``    — ``ShardkitError`` and its subclasses.
 
 Import public names from ``shardkit`` itself; module paths may move.
@@ -44,6 +47,8 @@ from .contract import StructuredStatus as StructuredStatus
 from .contract import TokenOutput as TokenOutput
 from .engines import FakeShardEngine as FakeShardEngine
 from .engines import FakeShardEngineConfig as FakeShardEngineConfig
+from .engines import NumpyShardEngine as NumpyShardEngine
+from .engines.pipeline import PipelineEngine as PipelineEngine
 from .errors import ContractViolation as ContractViolation
 from .errors import InvalidTarget as InvalidTarget
 from .errors import ShardkitError as ShardkitError
@@ -73,6 +78,8 @@ __all__ = [
     "LoadRequest",
     "LoadResult",
     "MetricsResult",
+    "NumpyShardEngine",
+    "PipelineEngine",
     "Prediction",
     "PrefillRequest",
     "ReferenceModel",

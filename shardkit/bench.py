@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -19,10 +20,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from .conformance import assert_shard_engine_contract
+from .contract import DecodeRequest, LoadRequest, PrefillRequest
 from .engines import FakeShardEngine
-from .errors import ContractViolation
+from .errors import ContractViolation, InvalidTarget
 from .machine import ROLES, FailureReport, ShardMachine, machine_for
 from .runner import fuzz
+from .targets import resolve_target
 
 __all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
 
@@ -86,6 +89,52 @@ def _throughput(config: BenchSettings) -> dict[str, Any]:
     return rows
 
 
+#: Engines compared on kit throughput and on the cost of one decode step (full role).
+ENGINE_TARGETS = (
+    ("fake", "shardkit:FakeShardEngine"),
+    ("numpy", "shardkit:NumpyShardEngine"),
+    ("llama.cpp", "shardkit.engines.llama_cpp:LlamaCppShardEngine"),
+)
+
+
+def _decode_step_microseconds(target: str, decodes: int = 200) -> float:
+    """Median wall time of one accepted decode on a loaded engine, after a 16-token prefill."""
+    engine = resolve_target(target)()
+    total = engine.capabilities().total_layers
+    engine.load(LoadRequest("bench", 0, total - 1, total))
+    timings: list[float] = []
+    epoch = 0
+    while len(timings) < decodes:
+        engine.prefill(PrefillRequest("s", epoch, 0, token_ids=tuple(range(16))))
+        for step in range(1, 33):  # a restart every 32 decodes keeps the session inside max_kv_tokens
+            request = DecodeRequest("s", epoch, step, token_ids=(step % 8,))
+            started = time.perf_counter()
+            result = engine.decode(request)
+            timings.append(time.perf_counter() - started)
+            if not result.status.ok:
+                message = f"{target} refused a benchmark decode: {result.status.code.name} {result.status.message}"
+                raise RuntimeError(message)
+        epoch += 1
+    return round(statistics.median(timings) * 1e6, 1)
+
+
+def _engines(config: BenchSettings) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, target in ENGINE_TARGETS:
+        try:
+            resolve_target(target)()
+        except (ImportError, InvalidTarget) as missing:
+            rows[name] = f"skipped: {missing}"
+            continue
+        run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, role="full")
+        rows[name] = {
+            "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
+            "decode_step_us": _decode_step_microseconds(target),
+            "failure": run.failure.violation.property if run.failure is not None else None,
+        }
+    return rows
+
+
 def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
     if config.planted_module is None:
         return "skipped (--planted none)"
@@ -143,6 +192,7 @@ def _rounded(value: float | None) -> float | None:
 def run_bench(config: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     throughput = _throughput(config)
+    engines = _engines(config)
     planted = _planted(config)
     full = throughput["full"]
     return {
@@ -153,6 +203,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "bare_steps_per_s": full["bare_steps_per_s"],
         "throughput_ratio": full["throughput_ratio"],
         "per_role": throughput,
+        "engines": engines,
         "planted": planted,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -184,6 +235,16 @@ def render(bench: dict[str, Any]) -> str:
         lines.append(
             f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
         )
+    lines.append("engines (full role, faults on):")
+    for name, row in bench["engines"].items():
+        if isinstance(row, str):
+            lines.append(f"  {name:<10} {row}")
+        else:
+            found = f"; FAILURE {row['failure']}" if row["failure"] else ""
+            lines.append(
+                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs"
+                f"{found}"
+            )
     planted = bench["planted"]
     if isinstance(planted, str):
         lines.append(f"planted bugs: {planted}")

@@ -22,7 +22,7 @@ from .contract import (
 )
 from .model import StepRequest, input_length
 
-__all__ = ["HistoryMemo", "Payload", "output_problems", "payload_difference", "payloads_identical", "payloads_of"]
+__all__ = ["HistoryMemo", "Payload", "output_problems", "payload_difference", "payloads_of"]
 
 
 def output_problems(caps: EngineCapabilities, request: StepRequest, result: StepResult) -> list[str]:
@@ -101,14 +101,19 @@ def payloads_of(output: BoundaryBundle | TokenOutput, positions: int) -> list[Pa
     return [rows[index] for index in range(min(positions, rows.shape[0]))]
 
 
-def payload_difference(expected: Payload, observed: Payload, tolerance: float) -> str | None:
-    """None when the two agree within ``tolerance``; otherwise how they differ."""
+def payload_difference(
+    expected: Payload, observed: Payload, tolerance: float, *, near_ties_may_flip: bool = True
+) -> str | None:
+    """None when the two agree within ``tolerance``; otherwise how they differ.
+
+    A token may differ where a margin is below ``tolerance`` (SPEC §3), unless
+    ``near_ties_may_flip`` is False: to tell an injected wrong token from a near-tie."""
     if isinstance(expected, tuple) and isinstance(observed, tuple):
         if expected[0] == observed[0]:
             return None
         margins = [margin for margin in (expected[1], observed[1]) if margin is not None]
-        if margins and min(margins) < tolerance:
-            return None  # a near-tie may flip (SPEC §3)
+        if near_ties_may_flip and margins and min(margins) < tolerance:
+            return None
         return f"token {observed[0]}, expected {expected[0]}"
     if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
         if expected.shape != observed.shape:
@@ -119,12 +124,6 @@ def payload_difference(expected: Payload, observed: Payload, tolerance: float) -
         diff = _max_diff(expected, observed)
         return None if diff <= tolerance else f"row differs by {diff:.3g} > tolerance {tolerance:.3g}"
     return f"{type(observed).__name__} where {type(expected).__name__} was expected"
-
-
-def payloads_identical(expected: Payload, observed: Payload) -> bool:
-    if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
-        return expected.tobytes() == observed.tobytes()
-    return expected == observed
 
 
 def _max_diff(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) -> float:

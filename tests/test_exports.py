@@ -37,6 +37,8 @@ KIT = {
     "ShardMachine",
     "machine_for",
     "Action",
+    "NumpyShardEngine",
+    "PipelineEngine",
     "replay",
     "TraceFormatError",
 }

@@ -778,6 +778,21 @@ def test_a_malformed_output_fault_armed_before_a_retry_corrupts_the_retry() -> N
     assert prefill(engine, [1, 2]) is first
 
 
+def test_the_malformed_output_knob_and_fault_together_shift_the_truncated_residual() -> None:
+    """Knob and fault compose: the knob truncates the bundle, then the fault shifts what is left by 0.5."""
+    engine, knob_only = loaded("head", malformed_output=True), loaded("head", malformed_output=True)
+    assert engine.inject_fault(Fault("malformed_output")).ok
+    both, broken = prefill(engine, [1, 2]), prefill(knob_only, [1, 2])
+    assert isinstance(both.output, BoundaryBundle)
+    assert isinstance(broken.output, BoundaryBundle)
+    assert both.output.architecture == broken.output.architecture == ARCHITECTURE + "-malformed"
+    shifted = np.frombuffer(both.output.tensors[0].data, dtype="<f4")
+    original = np.frombuffer(broken.output.tensors[0].data, dtype="<f4")
+    assert len(shifted) == 2 * HIDDEN - 1
+    assert np.array_equal(shifted, original + np.float32(0.5))
+    assert prefill(engine, [1, 2]) is both, "a retry returns what was returned"
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_a_crash_fault_kills_the_engine_on_the_counted_call(count: int) -> None:
     """crash: the value-th next prefill/decode/cancel/release raises; health and metrics do not count."""

@@ -202,3 +202,20 @@ def test_an_exception_from_metrics_is_a_reported_failure_not_a_crash_of_the_kit(
     assert result.failure.violation.property == "unexplained exception"
     assert "RuntimeError: metrics backend unreachable" in result.failure.violation.message
     assert len(result.failure.records) == 1
+
+
+def test_rounding_noise_is_not_taken_for_a_detected_corruption() -> None:
+    """An engine with a tolerance that accepts malformed_output but corrupts nothing: the
+    noise between chunkings (within tolerance) must not count as catching the injection."""
+    from shardkit import Fault, NumpyShardEngine, StatusCode, StructuredStatus
+
+    class NumpyCorruptsNothing(NumpyShardEngine):
+        def inject_fault(self, fault: Fault) -> StructuredStatus:
+            if fault.kind == "malformed_output":
+                return StructuredStatus(StatusCode.OK)
+            return super().inject_fault(fault)
+
+    for role in ("head", "full"):
+        result = fuzz(NumpyCorruptsNothing, seed=3, examples=100, steps=30, role=role, faults="malformed_output")
+        assert result.failure is not None, role
+        assert result.failure.violation.property == "§4 malformed_output", result.failure.violation.message
