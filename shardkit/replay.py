@@ -133,7 +133,7 @@ def _parse(path: Path) -> Mapping[str, Any]:
         # (it only says so on reaching the end): either way the file was cut short.
         cut_short = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
         hint = " (the file looks truncated)" if cut_short else ""
-        message = f"{path} is not valid JSON{hint}: {error.msg} at line {error.lineno} column {error.colno}"
+        message = f"{path} is not valid JSON{hint}: {error.msg} (line {error.lineno}, column {error.colno})"
         raise TraceFormatError(message) from None
     except RecursionError:
         message = f"{path}: JSON nested too deeply to be a shardkit trace"
