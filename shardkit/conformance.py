@@ -17,13 +17,9 @@ import numpy as np
 
 from .checks import output_problems
 from .contract import (
-    OUTPUT_BOUNDARY_POINT,
-    RESIDUAL_TENSOR,
     BoundaryBundle,
     DecodeRequest,
-    EngineCapabilities,
     EngineError,
-    EngineTensor,
     LoadRequest,
     MetricsResult,
     PrefillRequest,
@@ -34,6 +30,7 @@ from .contract import (
 )
 from .errors import ContractViolation
 from .model import Prediction, ReferenceModel, StepRequest
+from .steps import synthetic_bundle
 
 __all__ = ["CONTRACT_CHECKS", "assert_shard_engine_contract"]
 
@@ -123,7 +120,7 @@ class _Probe:
         token_ids = tuple((first + index) % self.caps.vocab_size for index in range(count))
         if self.caps.role in ("head", "full"):
             return token_ids, None
-        return None, _synthetic_bundle(self.caps, session_id, epoch, step, token_ids)
+        return None, synthetic_bundle(self.caps, session_id, epoch, step, token_ids)
 
 
 def _compare(call: str, predicted: Prediction, observed: StepResult) -> None:
@@ -144,23 +141,6 @@ def _range_for(role: Role, total_layers: int) -> tuple[int, int]:
     last = total_layers - 1
     ranges = {"full": (0, last), "head": (0, 0), "tail": (last, last), "middle": (1, last - 1)}
     return ranges[role]
-
-
-def _synthetic_bundle(
-    caps: EngineCapabilities, session_id: str, epoch: int, step: int, token_ids: tuple[int, ...]
-) -> BoundaryBundle:
-    """Rows a head would plausibly send: finite, distinct per token, in the engine's dtype."""
-    columns = np.arange(caps.hidden_size, dtype=np.float64)
-    rows = np.stack([np.sin(columns * 0.37 + token) for token in token_ids]).astype(caps.dtype)
-    return BoundaryBundle(
-        session_id=session_id,
-        epoch=epoch,
-        step=step,
-        boundary_point=OUTPUT_BOUNDARY_POINT["head"],
-        architecture=caps.architecture,
-        tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, rows),),
-        token_id_sideband=token_ids,
-    )
 
 
 # --- the checks --------------------------------------------------------------------------

@@ -34,6 +34,7 @@ __all__ = [
     "Action",
     "build_request",
     "malformations_for",
+    "synthetic_bundle",
     "synthetic_rows",
 ]
 
@@ -91,7 +92,10 @@ def synthetic_rows(caps: EngineCapabilities, tokens: tuple[int, ...]) -> np.ndar
     return stacked.astype(caps.dtype)
 
 
-def _bundle(caps: EngineCapabilities, session: str, epoch: int, step: int, tokens: tuple[int, ...]) -> BoundaryBundle:
+def synthetic_bundle(
+    caps: EngineCapabilities, session: str, epoch: int, step: int, tokens: tuple[int, ...]
+) -> BoundaryBundle:
+    """The post-head bundle the kit sends a middle or tail for ``tokens`` (rows from ``synthetic_rows``)."""
     return BoundaryBundle(
         session_id=session,
         epoch=epoch,
@@ -115,7 +119,7 @@ def build_request(action: Action, caps: EngineCapabilities) -> StepRequest:
     if caps.role in ("head", "full"):
         request: StepRequest = request_type(session, epoch, step, token_ids=tokens)
     else:
-        request = request_type(session, epoch, step, bundle=_bundle(caps, session, epoch, step, tokens))
+        request = request_type(session, epoch, step, bundle=synthetic_bundle(caps, session, epoch, step, tokens))
     if malformed is None:
         return request
     if malformed not in _MALFORMATIONS:
@@ -159,13 +163,13 @@ def _two_token_decode(request: StepRequest, caps: EngineCapabilities) -> StepReq
     tokens = (request.token_ids or (0,))[:1] * 2
     if request.bundle is None:
         return DecodeRequest(request.session_id, request.epoch, request.step, token_ids=tokens)
-    bundle = _bundle(caps, request.session_id, request.epoch, request.step, tokens)
+    bundle = synthetic_bundle(caps, request.session_id, request.epoch, request.step, tokens)
     return DecodeRequest(request.session_id, request.epoch, request.step, bundle=bundle)
 
 
 def _wrong_input_kind(request: StepRequest, caps: EngineCapabilities) -> StepRequest:
     if request.token_ids is not None:
-        bundle = _bundle(caps, request.session_id, request.epoch, request.step, request.token_ids)
+        bundle = synthetic_bundle(caps, request.session_id, request.epoch, request.step, request.token_ids)
         return replace(request, token_ids=None, bundle=bundle)
     assert request.bundle is not None
     return replace(request, bundle=None, token_ids=request.bundle.token_id_sideband or (0,))
