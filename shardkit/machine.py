@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, reject, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
@@ -131,6 +131,9 @@ class RunStats:
     shortest: FailureReport | None = None
     #: After this (time.monotonic()), stop Hypothesis's shrinking: the replay minimiser takes over.
     shrink_deadline: float | None = None
+    #: When set, a failure of any other property does not count (iterative deepening looks
+    #: for a shorter failure of one property): the example is rejected instead.
+    only_property: str | None = None
 
 
 class ShrinkBudgetSpent(BaseException):
@@ -263,6 +266,8 @@ class ShardMachine(RuleBasedStateMachine):
         try:
             record = self.driver.execute(action)
         except StepFailed as failure:
+            if stats.only_property is not None and failure.violation.property != stats.only_property:
+                reject()
             stats.coverage[(coverage_op(action), "FAILED")] += 1
             stats.failure = FailureReport(
                 failure.violation,

@@ -4,8 +4,10 @@ After Hypothesis stops, the failing example is replayed without Hypothesis and
 made smaller while the *same* property is still violated:
 
 1. on the drawn choices — delete runs of rules (halves, quarters, … single
-   ones), then lower each small integer towards 0 — re-deriving every concrete
-   step from the model's state, so later steps renumber themselves;
+   ones), lower each small integer towards 0, then delete one rule while
+   changing one argument of another to any value (two coordinated edits, for
+   short failures) — re-deriving every concrete step from the model's state, so
+   later steps renumber themselves;
 2. on the concrete steps themselves, the form a trace replays — delete runs
    again, down to single steps, until no single deletion keeps the failure.
 
@@ -124,6 +126,56 @@ def _lower_arguments(
     return choices
 
 
+#: Delete-and-repair costs about (arguments × values) n² replays; beyond this many steps it is skipped.
+REPAIR_MAX_STEPS = 8
+ArgumentRanges = dict[str, dict[str, range]]
+
+
+def argument_ranges(machine: type[ShardMachine]) -> ArgumentRanges:
+    """Each rule's integer arguments and the values their strategies draw (rules built
+    with ``st.integers(lo, hi)``; anything else is left alone by the repair)."""
+    ranges: ArgumentRanges = {}
+    for each in machine.setup_state().rules:
+        for name, strategy in each.arguments.items():
+            inner = getattr(strategy, "wrapped_strategy", strategy)
+            low, high = getattr(inner, "start", None), getattr(inner, "end", None)
+            if isinstance(low, int) and isinstance(high, int):
+                ranges.setdefault(each.function.__name__, {})[name] = range(low, high + 1)
+    return ranges
+
+
+def _delete_and_repair(
+    choices: list[Choice], still_fails: Callable[[list[Choice]], bool], budget: _Budget, ranges: ArgumentRanges
+) -> list[Choice]:
+    """Delete one step, then change one argument of one remaining step to any value: a
+    shorter failure that needs two coordinated edits (drop a fault, lengthen a chunk)."""
+    improved = True
+    while improved and len(choices) <= REPAIR_MAX_STEPS and not budget.exhausted:
+        improved = False
+        for removed in range(len(choices)):
+            rest = choices[:removed] + choices[removed + 1 :]
+            for index, choice in enumerate(rest):
+                for position, (name, value) in enumerate(choice.arguments):
+                    for other in ranges.get(choice.rule, {}).get(name, ()):
+                        if other == value:
+                            continue
+                        if budget.exhausted:
+                            return choices
+                        arguments = list(choice.arguments)
+                        arguments[position] = (name, other)
+                        candidate = [*rest[:index], Choice(choice.rule, tuple(arguments)), *rest[index + 1 :]]
+                        if still_fails(candidate):
+                            choices, improved = candidate, True
+                            break
+                    if improved:
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return choices
+
+
 def minimize_failure(
     machine: type[ShardMachine], failure: FailureReport, *, max_replays: int = 5000, max_seconds: float = 60.0
 ) -> MinimizedFailure:
@@ -151,6 +203,8 @@ def minimize_failure(
 
     if failure.choices and choices_fail(list(failure.choices)):
         choices, _ = _delete_runs(list(failure.choices), choices_fail, budget)
+        choices = _lower_arguments(choices, choices_fail, budget)
+        choices = _delete_and_repair(choices, choices_fail, budget, argument_ranges(machine))
         _lower_arguments(choices, choices_fail, budget)
 
     one_minimal = False

@@ -26,7 +26,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from ._version import __version__
 from .contract import Role
-from .machine import FailureReport, ShardMachine, ShrinkBudgetSpent, machine_for
+from .driver import StepFailed
+from .machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, machine_for
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .regression import regression_test_source
@@ -207,8 +208,9 @@ def run_machine(
     if stats.failure is not None and minimize and not interrupted:
         try:
             minimized = minimize_failure(machine, stats.failure)
+            minimized = _deepen(machine, run_settings, seed, minimized, shrink_seconds)
         except KeyboardInterrupt:
-            interrupted = True
+            interrupted = minimized is None
     failure = minimized.report if minimized is not None else stats.failure
     result = FuzzResult(
         target=machine.target.name,
@@ -231,6 +233,64 @@ def run_machine(
         if written is not None:
             result.trace_path, result.regression_path = written
     return result
+
+
+DEEPENING_EXAMPLES = 200
+
+
+def _deepen(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    seed: int | None,
+    minimized: MinimizedFailure,
+    shrink_seconds: float | None,
+) -> MinimizedFailure:
+    """Iterative deepening (SHRINKING.md): search again with fewer steps than the failure
+    has, for the same property; a shorter one found is minimised and replaces it. This
+    escapes minima that deleting steps cannot leave (a fault-based route to a bug that a
+    plainer route reaches in fewer steps)."""
+    while len(minimized.report.records) > 1:
+        shorter = _search_shorter(machine, run_settings, seed, minimized.report, shrink_seconds)
+        if shorter is None:
+            break
+        again = minimize_failure(machine, shorter)
+        if len(again.report.records) >= len(minimized.report.records):
+            break
+        minimized = again
+    return minimized
+
+
+def _search_shorter(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    seed: int | None,
+    failure: FailureReport,
+    shrink_seconds: float | None,
+) -> FailureReport | None:
+    limit = len(failure.records) - 1
+    stats = RunStats(only_property=failure.violation.property)
+    probe = type(f"{machine.__name__}Shorter", (machine,), {"stats": stats})
+
+    def start_shrink_clock(found: FailureReport) -> None:
+        if stats.shrink_deadline is None and shrink_seconds is not None:
+            stats.shrink_deadline = time.monotonic() + shrink_seconds
+
+    stats.on_failure = start_shrink_clock
+    probe_settings = settings(
+        run_settings,
+        stateful_step_count=limit,
+        max_examples=DEEPENING_EXAMPLES,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    test = hypothesis_seed(seed)(probe) if seed is not None else probe
+    try:
+        with with_reporter(lambda text: None):
+            run_state_machine_as_test(test, settings=probe_settings)
+    except (ShrinkBudgetSpent, StepFailed):
+        pass  # a failure of the property ended the search; stats.shortest holds the shortest
+    found = stats.shortest
+    return found if found is not None and len(found.records) <= limit else None
 
 
 def fuzz(
