@@ -38,9 +38,8 @@ counted, including those the coordinator refuses without forwarding). ``active_s
 and ``kv_tokens`` are the per-field maximum over the stages: when the stages agree (they
 must) that is the first stage's figure; when they disagree (a stage kept a session or
 tokens the others freed) the maximum shows the leak, so the kit's metrics check reports
-the desync right after the step that caused it. ``MetricsResult`` carries no status, and
-an exception out of ``metrics()`` is not a finding the kit can report (``fuzz`` re-raises
-it), so a desync is reported through the figures.
+the desync right after the step that caused it (``MetricsResult`` carries no status, and
+raising from ``metrics()`` would read as a process death rather than a desync).
 
 ``cancel`` and ``release`` go to every stage; if the stages answer with different codes
 the pipeline answers ``INTERNAL`` naming each stage's code, else stage 1's status.
