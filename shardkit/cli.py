@@ -111,13 +111,23 @@ def _parser() -> _Parser:
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
     contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
+
+    serve = commands.add_parser("serve", help="serve an engine target over gRPC (the grpc extra)")
+    serve.add_argument("target", help="engine target, e.g. shardkit:FakeShardEngine")
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7000",
+        metavar="ADDR",
+        help="HOST:PORT (PORT 0 picks a free one) or unix:PATH (default 127.0.0.1:7000)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        handler = {"fuzz": _fuzz, "replay": _replay, "bench": _bench, "contract": _contract}[args.command]
+        handlers = {"fuzz": _fuzz, "replay": _replay, "bench": _bench, "contract": _contract, "serve": _serve}
+        handler = handlers[args.command]
         return handler(args)
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
@@ -221,6 +231,26 @@ def _contract(args: argparse.Namespace) -> int:
     print(f"{target.name}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else ""))
     for reason in skipped:
         print(f"  skipped {reason}")
+    return EXIT_OK
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .remote.server import parse_listen, serve
+    except ImportError as error:
+        message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+        raise UsageError(message) from None
+    try:
+        parse_listen(args.listen)
+    except ValueError as error:
+        raise UsageError(f"shardkit serve: {error}") from None
+    target = resolve_target(args.target)
+    server = serve(target, args.listen, log=sys.stderr)
+    print(f"serving {target.name} on {server.url}", flush=True)
+    try:
+        server.wait()
+    finally:
+        server.stop(0)
     return EXIT_OK
 
 

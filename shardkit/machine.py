@@ -9,6 +9,7 @@ choices long, so Hypothesis's shrinker can delete whole steps (SHRINKING.md).
 from __future__ import annotations
 
 import functools
+import re
 import time
 import unittest
 from collections import Counter
@@ -27,7 +28,7 @@ from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_
 from .errors import ShardkitError
 from .model import ReferenceModel
 from .steps import Action, malformations_for, step_action
-from .targets import EngineFactory, ResolvedTarget, resolve_target
+from .targets import EngineFactory, ResolvedTarget, resolve_target, short_name
 
 __all__ = [
     "ROLES",
@@ -499,5 +500,6 @@ def machine_for(
         "stats": RunStats(),
         **({"inject_fault": inject_fault} if native | boundary else {}),
     }
-    class_name = name or f"ShardMachine_{target.name.rpartition(':')[2]}_{role or 'any'}"
+    engine_name = re.sub(r"\W+", "_", short_name(target.name)).strip("_")
+    class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
     return type(class_name, (base,), namespace)

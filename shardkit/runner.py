@@ -31,7 +31,7 @@ from .machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, m
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .regression import regression_test_source
-from .targets import EngineFactory, ResolvedTarget, resolve_target
+from .targets import EngineFactory, ResolvedTarget, resolve_target, short_name
 from .trace import trace_document, write_atomically
 
 __all__ = [
@@ -94,7 +94,7 @@ class _Artefacts:
     @property
     def label(self) -> str:
         """Names the engine and the run, so traces of different engines never collide."""
-        engine = _slug(self.machine.target.name.rpartition(":")[2] or self.machine.target.name)
+        engine = _slug(short_name(self.machine.target.name))
         return f"{engine}-seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
 
     def paths(self, failure: FailureReport) -> tuple[Path, Path]:

@@ -41,10 +41,27 @@ class ResolvedTarget:
         return engine
 
 
+def short_name(target_name: str) -> str:
+    """A target's name for labels and file names: the attribute of ``module:attr``, an address whole."""
+    if "://" in target_name or target_name.startswith("unix:"):
+        return target_name
+    return target_name.rpartition(":")[2] or target_name
+
+
 def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
-    """Turn a target string or a factory into a checked ``ResolvedTarget``."""
+    """Turn a target string or a factory into a checked ``ResolvedTarget``.
+
+    ``grpc://HOST:PORT`` and ``unix:PATH`` name a remote engine server (the ``grpc`` extra)."""
     if isinstance(target, ResolvedTarget):
         return target
+    if isinstance(target, str) and target.startswith(("grpc://", "unix:")):
+        # A remote engine: each call asks the server there for a fresh engine.
+        try:
+            from .remote.client import remote_target
+        except ImportError as error:
+            message = f"engine target {target!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+            raise InvalidTarget(message) from error
+        return remote_target(target)
     if not isinstance(target, str):
         if not callable(target):
             message = f"an engine target must be a 'module:attr' string or a callable, got {target!r}"

@@ -25,6 +25,7 @@ from .contract import (
 )
 from .model import StepRequest
 from .steps import Action, build_request, step_action
+from .targets import short_name
 
 __all__ = ["OracleFailure", "TwinSession", "split_ranges"]
 
@@ -62,7 +63,7 @@ class _Stage:
 
 def _engine_name(build: Callable[[], ShardEngine]) -> str:
     name = getattr(build, "name", None) or getattr(build, "__qualname__", "engine")
-    return str(name).rpartition(":")[2]
+    return short_name(str(name))
 
 
 def _load_stage(build: Callable[[], ShardEngine], request: LoadRequest, start: int, end: int) -> _Stage:

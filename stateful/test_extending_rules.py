@@ -21,7 +21,7 @@ shows the new rule finding and shrinking a real defect.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from hypothesis import settings
@@ -106,7 +106,12 @@ class RollbackEngine(ShardEngine):
         return self.inner.load(request)
 
     def capabilities(self) -> Any:
-        return self.inner.capabilities()
+        # rollback replays steps through the inner engine's own prefill/decode, which a
+        # native crash countdown would count: let the kit inject crashes at the boundary,
+        # where only the calls the kit makes are counted.
+        return replace(
+            self.inner.capabilities(), supported_faults=self.inner.capabilities().supported_faults - {"crash"}
+        )
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         return self._track(request, self.inner.prefill(request))
