@@ -40,7 +40,6 @@ from shardkit import (
     LoadResult,
     MetricsResult,
     PrefillRequest,
-    ShardEngine,
     StatusCode,
     StepResult,
     StructuredStatus,
@@ -66,6 +65,8 @@ from shardkit.remote import (
 from shardkit.remote.server import ShardEngineServicer
 from shardkit.runner import FuzzResult, fuzz
 from shardkit.targets import resolve_target
+
+from .planted import DelegatingEngine
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "standalone_worker.py"
@@ -317,35 +318,8 @@ def test_faults_reach_a_native_engine_and_an_engine_without_inject_fault_support
     assert bare.inject_fault(Fault("delay", 0.0)).code is StatusCode.UNIMPLEMENTED
 
 
-class WithoutFaults(ShardEngine):
+class WithoutFaults(DelegatingEngine):
     """The fake without ``inject_fault``: its capabilities list every fault, but it takes none."""
-
-    def __init__(self) -> None:
-        self.inner = FakeShardEngine()
-
-    def load(self, request: LoadRequest) -> LoadResult:
-        return self.inner.load(request)
-
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities()
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        return self.inner.prefill(request)
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        return self.inner.decode(request)
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        return self.inner.cancel(session_id, epoch)
-
-    def release(self, session_id: str) -> StructuredStatus:
-        return self.inner.release(session_id)
-
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()
 
 
 def _same_failure(local: FuzzResult, remote: FuzzResult) -> None:

@@ -33,18 +33,8 @@ from shardkit import (
 StepRequest = PrefillRequest | DecodeRequest
 
 
-class PlantedEngine(ShardEngine):
-    """Delegates everything to a fresh fake; subclasses override one behaviour."""
-
-    BUG: ClassVar[str]
-    PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
-    #: Other properties through which the same bug may surface first, depending on the sequence.
-    ALSO: ClassVar[tuple[str, ...]] = ()
-    MINIMAL: ClassVar[tuple[str, ...]]  # the minimal failing sequence, one step per line
-    ROLE: ClassVar[str] = "full"
-    CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
-    #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
-    LATE: ClassVar[bool] = False
+class DelegatingEngine(ShardEngine):
+    """Delegates contract v1 to a fresh fake (and nothing else: no ``inject_fault``)."""
 
     def __init__(self) -> None:
         self.inner = FakeShardEngine()
@@ -72,6 +62,20 @@ class PlantedEngine(ShardEngine):
 
     def metrics(self) -> MetricsResult:
         return self.inner.metrics()
+
+
+class PlantedEngine(DelegatingEngine):
+    """Delegates everything, faults included, to a fresh fake; subclasses override one behaviour."""
+
+    BUG: ClassVar[str]
+    PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
+    #: Other properties through which the same bug may surface first, depending on the sequence.
+    ALSO: ClassVar[tuple[str, ...]] = ()
+    MINIMAL: ClassVar[tuple[str, ...]]  # the minimal failing sequence, one step per line
+    ROLE: ClassVar[str] = "full"
+    CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
+    #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
+    LATE: ClassVar[bool] = False
 
     def inject_fault(self, fault: Fault) -> StructuredStatus:
         return self.inner.inject_fault(fault)
