@@ -64,7 +64,9 @@ __all__ = [
     "ServedRange",
     "SessionEngine",
     "StepInput",
+    "identity_problem",
     "is_int_at_least",
+    "refusal",
     "token_from_logits",
 ]
 
@@ -143,7 +145,7 @@ class _Session(Generic[CacheT]):
     cancelled: bool = False
 
 
-def _refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
+def refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
     return StepResult(StructuredStatus(code, message, retryable), CacheResult.MISS)
 
 
@@ -151,7 +153,7 @@ def _unloaded(operation: str) -> StructuredStatus:
     return StructuredStatus(StatusCode.UNAVAILABLE, f"{operation} before load; call load() first")
 
 
-def _identity_problem(session_id: str, **counters: int) -> str | None:
+def identity_problem(session_id: str, **counters: int) -> str | None:
     """Rule 2's checks on the ids every step and cancel carry."""
     if not session_id:
         return "session_id is empty; pass a non-empty session id"
@@ -300,7 +302,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return StepResult(_unloaded(operation), CacheResult.MISS)
         problem = self._input_problem(request, operation, served)
         if problem is not None:
-            return _refusal(StatusCode.INVALID_ARGUMENT, f"{operation}: {problem}")
+            return refusal(StatusCode.INVALID_ARGUMENT, f"{operation}: {problem}")
         where = f"{operation} of session {request.session_id!r} epoch {request.epoch} step {request.step}"
         session = self._sessions.get(request.session_id)
         starts_epoch = isinstance(request, PrefillRequest) and request.step == 0
@@ -310,16 +312,16 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             # An unknown id and a higher epoch alike name an epoch this engine never opened.
             unknown = session is None and isinstance(request, PrefillRequest)
             code = StatusCode.FAILED_PRECONDITION if unknown else StatusCode.NOT_FOUND
-            return _refusal(code, f"{where}: no such session epoch; open one with prefill step 0")
+            return refusal(code, f"{where}: no such session epoch; open one with prefill step 0")
         if request.epoch < session.epoch:
-            return _refusal(StatusCode.ABORTED, f"{where}: stale epoch, the session is at epoch {session.epoch}")
+            return refusal(StatusCode.ABORTED, f"{where}: stale epoch, the session is at epoch {session.epoch}")
         if session.cancelled:
-            return _refusal(StatusCode.CANCELLED, f"{where}: cancelled; release it or restart at a higher epoch")
+            return refusal(StatusCode.CANCELLED, f"{where}: cancelled; release it or restart at a higher epoch")
         if request.step == session.next_step - 1 and request == session.last_request:
             return self._deliver(session.last_result)
         if request.step != session.next_step:
             message = f"{where}: expected step {session.next_step} or an identical retry of the last step"
-            return _refusal(StatusCode.FAILED_PRECONDITION, message)
+            return refusal(StatusCode.FAILED_PRECONDITION, message)
         return self._advance(request, served, session, where)
 
     def _advance(
@@ -332,7 +334,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         count = len(step_input)
         if session is None and len(self._sessions) >= self._spec.max_sessions:
             message = f"{where}: all {self._spec.max_sessions} session slots are taken; release one and retry"
-            return _refusal(StatusCode.RESOURCE_EXHAUSTED, message, retryable=True)
+            return refusal(StatusCode.RESOURCE_EXHAUSTED, message, retryable=True)
         # A restart gives back its old epoch's tokens, but only if it is admitted.
         used = self._kv_tokens_used() - (session.kv_tokens if session is not None and not continues else 0)
         if used + count > self._max_kv_tokens:
@@ -340,7 +342,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
                 f"{where}: caching {count} more tokens on top of {used} would exceed "
                 f"max_kv_tokens={self._max_kv_tokens}; release or cancel a session and retry"
             )
-            return _refusal(StatusCode.RESOURCE_EXHAUSTED, message, retryable=True)
+            return refusal(StatusCode.RESOURCE_EXHAUSTED, message, retryable=True)
         # A continuing session is never cancelled here (rule 5 came first), so its cache is live.
         cache = session.cache if session is not None and continues else None
         if session is not None and not continues and session.cache is not None:
@@ -362,7 +364,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     def _input_problem(self, request: StepRequest, operation: str, served: ServedRange) -> str | None:
         """Why rule 2 refuses ``request``, or None if its input is well formed."""
-        problem = _identity_problem(request.session_id, epoch=request.epoch, step=request.step)
+        problem = identity_problem(request.session_id, epoch=request.epoch, step=request.step)
         if problem is not None:
             return problem
         role = served.role
@@ -478,7 +480,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         if self._served is None:
             return _unloaded("cancel")
         where = f"cancel of session {session_id!r} epoch {epoch}"
-        problem = _identity_problem(session_id, epoch=epoch)
+        problem = identity_problem(session_id, epoch=epoch)
         if problem is not None:
             return StructuredStatus(StatusCode.INVALID_ARGUMENT, f"{where}: {problem}")
         session = self._sessions.get(session_id)

@@ -53,7 +53,6 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardkit.contract import (
-    EPOCH_STEP_LIMIT,
     OUTPUT_BOUNDARY_POINT,
     BoundaryBundle,
     CacheResult,
@@ -74,6 +73,8 @@ from shardkit.contract import (
     role_of,
 )
 from shardkit.engines.fake import FakeShardEngine
+
+from ._sessions import identity_problem, refusal
 
 __all__ = ["PipelineEngine"]
 
@@ -106,10 +107,6 @@ def _as_input_for(role: Role, bundle: BoundaryBundle) -> BoundaryBundle:
     if role == "middle" and bundle.boundary_point != head_point:
         return replace(bundle, boundary_point=head_point)
     return bundle
-
-
-def _refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
-    return StepResult(StructuredStatus(code, message, retryable), CacheResult.MISS)
 
 
 def _load_error(code: StatusCode, message: str) -> EngineError:
@@ -293,10 +290,10 @@ class PipelineEngine(ShardEngine):
     def _step(self, request: _StepRequest, operation: str) -> StepResult:
         stages = self._stages
         if stages is None:
-            return _refusal(StatusCode.UNAVAILABLE, f"{operation} before load; call load() first")
+            return refusal(StatusCode.UNAVAILABLE, f"{operation} before load; call load() first")
         problem = self._input_problem(request, operation)
         if problem is not None:
-            return _refusal(StatusCode.INVALID_ARGUMENT, f"{operation}: {problem}")
+            return refusal(StatusCode.INVALID_ARGUMENT, f"{operation}: {problem}")
         first_cache: CacheResult | None = None
         forwarded: _StepRequest = request
         output: BoundaryBundle | TokenOutput | None = None
@@ -338,11 +335,11 @@ class PipelineEngine(ShardEngine):
             f"pipeline desync: {stage.label} {what}; the earlier stages have already advanced, so the stages "
             "no longer hold the same session state"
         )
-        return _refusal(StatusCode.INTERNAL, message)
+        return refusal(StatusCode.INTERNAL, message)
 
     def _input_problem(self, request: _StepRequest, operation: str) -> str | None:
         """SPEC §2 rule 2 for the pipeline as a full engine, checked before any stage sees the request."""
-        problem = _identity_problem(request.session_id, epoch=request.epoch, step=request.step)
+        problem = identity_problem(request.session_id, epoch=request.epoch, step=request.step)
         if problem is not None:
             return problem
         if request.token_ids is None:
@@ -363,7 +360,7 @@ class PipelineEngine(ShardEngine):
         stages = self._stages
         if stages is None:
             return StructuredStatus(StatusCode.UNAVAILABLE, "cancel before load; call load() first")
-        problem = _identity_problem(session_id, epoch=epoch)
+        problem = identity_problem(session_id, epoch=epoch)
         if problem is not None:
             return StructuredStatus(StatusCode.INVALID_ARGUMENT, f"cancel of session {session_id!r}: {problem}")
         return self._agreed("cancel", stages, [stage.engine.cancel(session_id, epoch) for stage in stages])
@@ -408,12 +405,3 @@ class PipelineEngine(ShardEngine):
             active_sessions=max(metrics.active_sessions for metrics in figures),
             kv_tokens=max(metrics.kv_tokens for metrics in figures),
         )
-
-
-def _identity_problem(session_id: str, **counters: int) -> str | None:
-    if not session_id:
-        return "session_id is empty; pass a non-empty session id"
-    for name, value in counters.items():
-        if not 0 <= value < EPOCH_STEP_LIMIT:
-            return f"{name}={value} is outside [0, 2**63); pass a value in that range"
-    return None
