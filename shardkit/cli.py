@@ -7,8 +7,11 @@ error, reported in one line without a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import random
+import resource
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -20,7 +23,7 @@ from .contract import FAULT_KINDS
 from .errors import ContractViolation, InvalidTarget, ShardkitError
 from .machine import ROLES, parse_faults
 from .runner import DEFAULT_OUT, parse_seed
-from .targets import DEFAULT_TARGET, resolve_target
+from .targets import DEFAULT_TARGET, ResolvedTarget, resolve_target
 
 __all__ = ["main"]
 
@@ -59,6 +62,63 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        message = f"--step-timeout must be a number of seconds in (0, 3600], got {text!r}"
+        raise argparse.ArgumentTypeError(message)
+    return value
+
+
+def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = False) -> None:
+    group = command.add_argument_group("isolation (the grpc extra)")
+    if replaying:
+        group.add_argument(
+            "--isolate",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="run the engine in a worker process, or not (default: as the trace records)",
+        )
+    else:
+        group.add_argument(
+            "--isolate",
+            action="store_true",
+            help="run the engine in a worker process: a crash, hang or memory blow-up becomes a reported failure",
+        )
+    group.add_argument(
+        "--step-timeout",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds each engine call may take (isolated or grpc:// engines; default 5)",
+    )
+    group.add_argument(
+        "--worker-memory",
+        type=_positive_int("--worker-memory"),
+        default=None,
+        metavar="MB",
+        help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate",
+    )
+
+
+def _check_isolation_options(command: str, args: argparse.Namespace, target: str | None) -> None:
+    """Options that cannot apply are a usage error, never silently ignored."""
+    # replay's --isolate is None when the trace decides; the trace then says whether to isolate.
+    isolation_refused = args.isolate is False if command == "replay" else not args.isolate
+    if args.worker_memory is not None and isolation_refused:
+        raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate")
+    remote = target is not None and target.startswith(("grpc://", "unix:"))
+    if args.isolate and remote:
+        message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
+        raise UsageError(message)
+    if args.step_timeout is not None and not args.isolate and not remote and command == "fuzz":
+        message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate or a grpc:// or unix: target"
+        raise UsageError(message)
+
+
 def _faults(text: str) -> str:
     try:
         parse_faults(text)
@@ -95,10 +155,12 @@ def _parser() -> _Parser:
     )
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
+    _isolation_options(fuzz)
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
     replay.add_argument("--engine", default=None, help="replay against this engine target instead of the recorded one")
+    _isolation_options(replay, replaying=True)
 
     bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -119,6 +181,19 @@ def _parser() -> _Parser:
         default="127.0.0.1:7000",
         metavar="ADDR",
         help="HOST:PORT (PORT 0 picks a free one) or unix:PATH (default 127.0.0.1:7000)",
+    )
+    serve.add_argument(
+        "--worker",
+        action="store_true",
+        help="serve as --isolate's worker: an engine exception ends the process (exit 70, 71 for MemoryError) "
+        "as a native crash would, and the process ends when its stdin closes",
+    )
+    serve.add_argument(
+        "--worker-memory",
+        type=_positive_int("--worker-memory"),
+        default=None,
+        metavar="MB",
+        help="limit this process's memory (RLIMIT_DATA) to MB MiB",
     )
     return parser
 
@@ -148,12 +223,14 @@ def _fuzz(args: argparse.Namespace) -> int:
     if args.report is not None and not args.report.parent.exists():
         message = f"shardkit fuzz: --report {args.report}: the folder {args.report.parent} does not exist"
         raise UsageError(message)
+    _check_isolation_options("fuzz", args, args.target)
     target = resolve_target(args.target)
-    print(f"shardkit fuzz {target.name} --seed {seed}", flush=True)
+    isolation = " --isolate" if args.isolate else ""
+    print(f"shardkit fuzz {target.name} --seed {seed}{isolation}", flush=True)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
         result = fuzz(
-            target,
+            args.target,
             seed=seed,
             examples=args.examples,
             steps=args.steps,
@@ -163,6 +240,9 @@ def _fuzz(args: argparse.Namespace) -> int:
             reference=args.reference,
             out=args.out,
             progress=progress,
+            isolate=args.isolate,
+            step_timeout=args.step_timeout,
+            worker_memory_mb=args.worker_memory,
         )
     finally:
         if progress is not None:
@@ -198,9 +278,26 @@ class _Progress:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .replay import replay
+    from .isolation import IsolationOptions, target_with_options
+    from .replay import load_trace, replay
 
-    result = replay(args.trace, target=args.engine)
+    _check_isolation_options("replay", args, args.engine)
+    engine: str | ResolvedTarget | None = args.engine
+    isolate: bool | IsolationOptions | None = args.isolate
+    if args.engine is not None and args.engine.startswith(("grpc://", "unix:")):
+        if args.step_timeout is not None:
+            engine = target_with_options(args.engine, step_timeout=args.step_timeout)
+    elif args.step_timeout is not None or args.worker_memory is not None:
+        recorded = load_trace(args.trace).isolation
+        if args.isolate is False or (args.isolate is None and recorded is None):
+            message = "shardkit replay: --step-timeout and --worker-memory set up a worker process; add --isolate (the trace ran in-process)"
+            raise UsageError(message)
+        defaults = recorded or IsolationOptions()
+        isolate = IsolationOptions(
+            args.step_timeout if args.step_timeout is not None else defaults.step_timeout,
+            args.worker_memory if args.worker_memory is not None else defaults.worker_memory_mb,
+        )
+    result = replay(args.trace, target=engine, isolate=isolate)
     if result.failure is None:
         print(f"did not reproduce: all {len(result.records)} steps matched the model")
         return EXIT_OK
@@ -244,14 +341,52 @@ def _serve(args: argparse.Namespace) -> int:
         parse_listen(args.listen)
     except ValueError as error:
         raise UsageError(f"shardkit serve: {error}") from None
+    if args.worker:
+        from .remote.worker import watch_parent
+
+        # A native crash in the engine still leaves its Python stack in the worker's log.
+        faulthandler.enable(sys.stderr, all_threads=False)
+        # The kit asks a worker that missed a deadline where its threads hang before killing it.
+        faulthandler.register(signal.SIGUSR1, sys.stderr, all_threads=True)
+        watch_parent(sys.stdin.fileno())
     target = resolve_target(args.target)
-    server = serve(target, args.listen, log=sys.stderr)
-    print(f"serving {target.name} on {server.url}", flush=True)
+    server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker)
     try:
+        if args.worker_memory is not None:
+            # After the server's own threads exist, before any engine: the limit is for the engines.
+            _limit_memory(args.worker_memory)
+        print(f"serving {target.name} on {server.url}", flush=True)
         server.wait()
     finally:
         server.stop(0)
     return EXIT_OK
+
+
+#: Room left under --worker-memory for the threads gRPC starts as calls arrive (8 MiB of stack each).
+_THREAD_HEADROOM_MIB = 64
+
+
+def _limit_memory(mebibytes: int) -> None:
+    """Cap this process's data (heap, private mappings, thread stacks) with RLIMIT_DATA."""
+    status = Path("/proc/self/status")
+    used = 0
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmData:"):
+                used = int(line.split()[1]) // 1024
+    needed = used + _THREAD_HEADROOM_MIB
+    if mebibytes < needed:
+        message = (
+            f"shardkit serve: --worker-memory {mebibytes} MiB is below what this worker needs before any engine "
+            f"({used} MiB of data plus {_THREAD_HEADROOM_MIB} MiB for its threads); give it at least {needed}"
+        )
+        raise UsageError(message)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = mebibytes * 2**20
+    if hard != resource.RLIM_INFINITY and limit > hard:
+        message = f"shardkit serve: --worker-memory {mebibytes} MiB is above this system's hard limit of {hard // 2**20} MiB"
+        raise UsageError(message)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from .contract import (
 )
 from .errors import ShardkitError
 from .faults import BOUNDARY_FAULTS, FaultInjectingEngine
+from .isolation import ProcessDeath
 from .model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from .steps import Action, build_request
 from .targets import ResolvedTarget
@@ -173,6 +174,7 @@ class Driver:
         self.split_twins = True
         self.records: list[StepRecord] = []
         self.notes: list[str] = []
+        self._step: tuple[int, Action] = (0, Action("load", {}))
         self._start_engine()
 
     # --- engine lifecycle ------------------------------------------------------------
@@ -217,6 +219,7 @@ class Driver:
             message = f"unknown step op {action.op!r}; known: {known}"
             raise ValueError(message)
         index = len(self.records) + 1
+        self._step = (index, action)
         try:
             if custom is not None:
                 expected, observed, outcome = self._run_custom(action, custom)
@@ -249,19 +252,40 @@ class Driver:
         try:
             result = run()
         except Exception as error:
+            death = self._death(error)
             if crash_due:
                 self._recover_from_crash(call)
                 return None
+            if death is not None:
+                raise self._death_failure(death, "an answer") from error
             where = "".join(traceback.format_exception_only(error)).strip()
             raise _Fail("unexplained exception", "an answer", f"the engine raised {where}") from error
         if crash_due:
             raise _Fail("§4 crash", "the injected crash (the engine process dies)", f"an answer: {result!r}")
         return result
 
+    def _death(self, error: BaseException) -> ProcessDeath | None:
+        """How an isolated engine's process ended the call that raised ``error``, if it did."""
+        isolation = self.target.isolation
+        return isolation.death(error) if isolation is not None else None
+
+    def _death_failure(self, death: ProcessDeath, expected: str, *, in_twin: bool = False) -> _Fail:
+        """E.g. "engine process killed by SIGSEGV during step 7: decode(…)", and what it printed last."""
+        index, action = self._step
+        serving = " while serving a twin of the oracle" if in_twin else ""
+        observed = f"engine process {death.summary}{serving} during step {index}: {action.describe()}"
+        tail = "\n".join(f"  | {line}" for line in death.stderr_tail)
+        detail = f"its output ended with:\n{tail}" if tail else "it printed nothing"
+        return _Fail(death.property, expected, observed, detail)
+
     def _recover_from_crash(self, call: str) -> None:
         """The process died: start a fresh engine from the target; the model drops
-        every session and every fault. The memo stays: outputs must not change."""
+        every session and every fault. The memo stays: outputs must not change.
+        An isolated engine's process really dies (if the crash was injected at the
+        boundary, the kit kills it), and its twins with it."""
         self.notes.append(f"engine restarted after an injected crash during {call}")
+        if self.target.isolation is not None:
+            self.target.isolation.kill()
         self._start_engine()
 
     def _check_metrics(self) -> None:
@@ -378,6 +402,9 @@ class Driver:
         except OracleFailure as failure:
             raise _Fail(failure.property, "twins that agree", str(failure)) from None
         except Exception as error:  # a twin is the same engine: its exceptions are findings too
+            death = self._death(error)
+            if death is not None:
+                raise self._death_failure(death, "a fresh twin to answer", in_twin=True) from error
             where = "".join(traceback.format_exception_only(error)).strip()
             raise _Fail("unexplained exception", "a fresh twin to answer", f"a fresh twin raised {where}") from error
         return self.memo.get(key)
@@ -420,7 +447,8 @@ class Driver:
         call = str(action.args["call"])
         fresh = self.target()
         if call == "health":
-            health = fresh.health()
+            health = self._call(call, fresh.health, counted=False)
+            assert health is not None
             if health.serving:
                 raise _Fail("§2 health", "serving=False before load", "serving=True")
             return "serving=False", "serving=False", "OK"
@@ -429,13 +457,18 @@ class Driver:
             step_action = Action(call, {**action.args, "call": None})
             request = build_request(step_action, self.caps)
             predicted = model.prefill(request) if call == "prefill" else model.decode(request)  # type: ignore[arg-type]
-            result = fresh.prefill(request) if call == "prefill" else fresh.decode(request)  # type: ignore[arg-type]
+            call_fresh = fresh.prefill if call == "prefill" else fresh.decode
+            result = self._call(call, lambda: call_fresh(request), counted=False)  # type: ignore[arg-type]
+            assert result is not None
             if (result.status.code, result.cache) != (predicted.code, predicted.cache):
                 raise _Fail("§2 rule 1", str(predicted), _status_text(result.status, result.cache))
             return str(predicted), _status_text(result.status, result.cache), result.status.code.name
         session_id = str(action.args["session"])
         predicted = model.cancel(session_id, 0) if call == "cancel" else model.release(session_id)
-        status = fresh.cancel(session_id, 0) if call == "cancel" else fresh.release(session_id)
+        status = self._call(
+            call, lambda: fresh.cancel(session_id, 0) if call == "cancel" else fresh.release(session_id), counted=False
+        )
+        assert status is not None
         if status.code is not predicted.code:
             raise _Fail("§2 rule 1", str(predicted), _status_text(status))
         return str(predicted), _status_text(status), status.code.name

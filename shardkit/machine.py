@@ -23,9 +23,10 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
-from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineError, LoadRequest, Role
+from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, EngineError, LoadRequest, Role
 from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
 from .errors import ShardkitError
+from .isolation import IsolationOptions, target_with_options
 from .model import ReferenceModel
 from .steps import Action, malformations_for, step_action
 from .targets import EngineFactory, ResolvedTarget, resolve_target, short_name
@@ -435,6 +436,9 @@ def machine_for(
     model: Callable[[], ReferenceModel] = ReferenceModel,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
+    isolate: bool | IsolationOptions = False,
+    step_timeout: float | None = None,
+    worker_memory_mb: int | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -443,14 +447,61 @@ def machine_for(
     oracle on; ``reference`` builds the twins from another engine, which fuzzes
     the target differentially against it (same statuses, same outputs); ``model`` builds the reference model (subclass it to extend the
     rules, see stateful/test_extending_rules.py); ``base`` is the machine class to
-    extend with the fault rules.
+    extend with the fault rules. ``isolate`` runs every engine in a child process (see
+    ``shardkit.isolation``), whose calls get ``step_timeout`` seconds each and whose
+    memory ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
     """
-    target = resolve_target(target_or_factory)
     if role == "any":
         role = None
     if role is not None and role not in ROLES:
         message = f"role must be one of {', '.join(ROLES)} or 'any', got {role!r}"
         raise ValueError(message)
+    target = target_with_options(
+        target_or_factory, isolate=isolate, step_timeout=step_timeout, worker_memory_mb=worker_memory_mb
+    )
+    try:
+        caps, loadable, fault_kinds = _checked_options(target, role, faults, twins, reference)
+    except BaseException:
+        if target.isolation is not None and target is not target_or_factory:
+            target.isolation.close()  # this call started its workers: do not leave them running
+        raise
+    namespace: dict[str, Any] = {
+        "build_options": {
+            "role": role,
+            "faults": faults,
+            "twins": twins,
+            "reference": reference,
+            "model": model,
+            "base": base,
+            "isolate": isolate,
+            "step_timeout": step_timeout,
+            "worker_memory_mb": worker_memory_mb,
+        },
+        "reference": resolve_target(reference) if reference is not None else None,
+        "target": target,
+        "role": role,
+        "fault_kinds": fault_kinds,
+        "use_twins": twins,
+        "model_factory": staticmethod(model),
+        "total_layers": caps.total_layers,
+        "roles": loadable,
+        "stats": RunStats(),
+        **({"inject_fault": inject_fault} if fault_kinds else {}),
+    }
+    engine_name = re.sub(r"\W+", "_", short_name(target.name)).strip("_")
+    class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
+    return type(class_name, (base,), namespace)
+
+
+def _checked_options(
+    target: ResolvedTarget,
+    role: str | None,
+    faults: bool | str | Iterable[str],
+    twins: bool,
+    reference: object,
+) -> tuple[EngineCapabilities, tuple[Role, ...], frozenset[str]]:
+    """The engine's capabilities, the roles it loads and the fault kinds to inject;
+    ``ShardkitError`` for options this engine cannot honour."""
     probe = target()
     caps = probe.capabilities()
     loadable = loadable_roles(target, caps.total_layers)
@@ -480,26 +531,4 @@ def machine_for(
             f"{sorted(caps.supported_faults)} and not injectable at its boundary"
         )
         raise ShardkitError(message)
-    namespace: dict[str, Any] = {
-        "build_options": {
-            "role": role,
-            "faults": faults,
-            "twins": twins,
-            "reference": reference,
-            "model": model,
-            "base": base,
-        },
-        "reference": resolve_target(reference) if reference is not None else None,
-        "target": target,
-        "role": role,
-        "fault_kinds": native | boundary,
-        "use_twins": twins,
-        "model_factory": staticmethod(model),
-        "total_layers": caps.total_layers,
-        "roles": loadable,
-        "stats": RunStats(),
-        **({"inject_fault": inject_fault} if native | boundary else {}),
-    }
-    engine_name = re.sub(r"\W+", "_", short_name(target.name)).strip("_")
-    class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
-    return type(class_name, (base,), namespace)
+    return caps, loadable, native | boundary

@@ -19,6 +19,7 @@ from typing import Any
 from .contract import FAULT_KINDS, LoadRequest
 from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation
 from .errors import TraceFormatError
+from .isolation import IsolationOptions, target_with_options
 from .model import ReferenceModel
 from .steps import Action, known_malformations
 from .targets import EngineFactory, resolve_target
@@ -46,6 +47,8 @@ class Trace:
     seed: int | None
     actions: tuple[Action, ...]
     failure: Violation
+    #: How the engine ran when the failure was found: in a worker process, or in-process (None).
+    isolation: IsolationOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ def load_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     seed = document.get("seed")
     if seed is not None:
         seed = schema.integer(seed, "seed", 0, MAX_INT)
+    isolation = _isolation(schema, document.get("isolate"))
     steps = schema.field(document, "steps", "the trace")
     if not isinstance(steps, list) or not 0 < len(steps) <= MAX_STEPS:
         message = f"{path}: steps must be a non-empty list of at most {MAX_STEPS} steps"
@@ -194,7 +198,20 @@ def load_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
         schema.text(schema.field(failure, "message", "failure"), "failure.message"),
     )
     load_request = LoadRequest(model_id, start, end, total, recipe)
-    return Trace(path, target, load_request, frozenset(faults_field), twins, reference, seed, actions, violation)
+    return Trace(
+        path, target, load_request, frozenset(faults_field), twins, reference, seed, actions, violation, isolation
+    )
+
+
+def _isolation(schema: _Schema, value: Any) -> IsolationOptions | None:
+    if value is None:
+        return None
+    options = schema.object(value, "isolate")
+    timeout = schema.number(schema.field(options, "step_timeout", "isolate"), "isolate.step_timeout", 1e-3, 3600.0)
+    memory = options.get("worker_memory_mb")
+    if memory is not None:
+        memory = schema.integer(memory, "isolate.worker_memory_mb", 1, 2**40)
+    return IsolationOptions(timeout, memory)
 
 
 def _action(schema: _Schema, step: Any, index: int, custom_ops: Mapping[str, CustomOp]) -> Action:
@@ -279,26 +296,48 @@ def replay(
     *,
     model: Callable[[], ReferenceModel] = ReferenceModel,
     custom_ops: Mapping[str, CustomOp] | None = None,
+    isolate: bool | IsolationOptions | None = None,
 ) -> ReplayResult:
     """Re-run a trace's steps without Hypothesis, against its recorded target or ``target``.
+
+    The engine runs as it ran when the failure was found: in a worker process if the
+    trace records ``isolate``. ``isolate`` overrides that: False runs it in-process,
+    True or ``IsolationOptions`` in a worker; the worker ends with the replay.
 
     Raises ``TraceFormatError`` for a file that is not a valid trace and
     ``InvalidTarget`` for a target that cannot be built.
     """
     trace = load_trace(trace_path, custom_ops)
-    engine = resolve_target(target if target is not None else trace.target)
-    driver = Driver(
-        engine,
-        trace.load_request,
-        faults=trace.faults,
-        twins=trace.twins,
-        reference=resolve_target(trace.reference) if trace.reference is not None else None,
-        model_factory=model,
-        custom_ops=custom_ops,
-    )
-    for action in trace.actions:
-        try:
-            driver.execute(action)
-        except StepFailed as failed:
-            return ReplayResult(trace, tuple(driver.records), failed.violation)
-    return ReplayResult(trace, tuple(driver.records), None)
+    chosen = target if target is not None else trace.target
+    isolation = trace.isolation if isolate is None else isolate
+    if isolation is True:
+        isolation = trace.isolation or IsolationOptions()
+    if isolate is None and isinstance(isolation, IsolationOptions) and _remote(chosen):
+        # Already in another process: keep the recorded deadline, there is nothing to isolate.
+        engine = target_with_options(chosen, step_timeout=isolation.step_timeout)
+    else:
+        engine = target_with_options(chosen, isolate=isolation or False)
+    try:
+        driver = Driver(
+            engine,
+            trace.load_request,
+            faults=trace.faults,
+            twins=trace.twins,
+            reference=resolve_target(trace.reference) if trace.reference is not None else None,
+            model_factory=model,
+            custom_ops=custom_ops,
+        )
+        for action in trace.actions:
+            try:
+                driver.execute(action)
+            except StepFailed as failed:
+                return ReplayResult(trace, tuple(driver.records), failed.violation)
+        return ReplayResult(trace, tuple(driver.records), None)
+    finally:
+        if engine.isolation is not None and engine is not target:
+            engine.isolation.close()
+
+
+def _remote(target: object) -> bool:
+    name = target if isinstance(target, str) else getattr(target, "name", "")
+    return isinstance(name, str) and name.startswith(("grpc://", "unix:"))

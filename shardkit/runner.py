@@ -27,11 +27,12 @@ from hypothesis.stateful import run_state_machine_as_test
 from ._version import __version__
 from .contract import Role
 from .driver import StepFailed
+from .isolation import IsolationOptions
 from .machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, machine_for
 from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .regression import regression_test_source
-from .targets import EngineFactory, ResolvedTarget, resolve_target, short_name
+from .targets import EngineFactory, ResolvedTarget, short_name
 from .trace import trace_document, write_atomically
 
 __all__ = [
@@ -133,6 +134,7 @@ class _Artefacts:
             seed=self.seed,
             twins=self.machine.use_twins,
             reference=self.machine.reference.name if self.machine.reference is not None else None,
+            isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
         )
 
 
@@ -308,12 +310,28 @@ def fuzz(
     base: type[ShardMachine] = ShardMachine,
     minimize: bool = True,
     progress: Progress | None = None,
+    isolate: bool | IsolationOptions = False,
+    step_timeout: float | None = None,
+    worker_memory_mb: int | None = None,
 ) -> FuzzResult:
     """Fuzz ``target`` reproducibly from ``seed``; on a failure, minimise it further
     by replay (unless ``minimize`` is False) and write its trace and regression
-    test under ``out`` (if given)."""
-    resolved = resolve_target(target)
-    machine = machine_for(resolved, role=role, faults=faults, twins=twins, reference=reference, model=model, base=base)
+    test under ``out`` (if given). ``isolate``, ``step_timeout`` and ``worker_memory_mb``
+    are ``machine_for``'s; the worker processes an isolated run starts end with it."""
+    machine = machine_for(
+        target,
+        role=role,
+        faults=faults,
+        twins=twins,
+        reference=reference,
+        model=model,
+        base=base,
+        isolate=isolate,
+        step_timeout=step_timeout,
+        worker_memory_mb=worker_memory_mb,
+    )
+    isolation = machine.target.isolation
+    started_workers = isolation is not None and not (isinstance(target, ResolvedTarget) and target.isolation is isolation)
     run_settings = settings(
         max_examples=examples,
         stateful_step_count=steps,
@@ -325,10 +343,19 @@ def fuzz(
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    result = run_machine(machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress)
-    result.rerun_command = _fuzz_command(resolved.name, seed, examples, steps, role, faults, twins)
+    try:
+        result = run_machine(machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress)
+    finally:
+        if started_workers:
+            assert isolation is not None
+            isolation.close()
+    result.rerun_command = _fuzz_command(machine.target.name, seed, examples, steps, role, faults, twins)
     if machine.reference is not None:
         result.rerun_command += f" --reference {machine.reference.name}"
+    if isolation is not None:
+        result.rerun_command += " " + " ".join(isolation.options.command_options())
+    elif step_timeout is not None:
+        result.rerun_command += f" --step-timeout {step_timeout:g}"
     return result
 
 

@@ -9,9 +9,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .contract import ShardEngine
 from .errors import InvalidTarget
+
+if TYPE_CHECKING:
+    from .isolation import Isolation
 
 __all__ = ["DEFAULT_TARGET", "EngineFactory", "ResolvedTarget", "resolve_target"]
 
@@ -21,14 +25,20 @@ DEFAULT_TARGET = "shardkit:FakeShardEngine"
 
 @dataclass(frozen=True)
 class ResolvedTarget:
-    """A factory that checks what it builds, and the name to print and record."""
+    """A factory that checks what it builds, and the name to print and record.
+
+    ``isolation`` is set when every engine it builds lives in a child process
+    (``shardkit.isolation.isolated_target``)."""
 
     name: str
     build: EngineFactory
+    isolation: Isolation | None = None
 
     def __call__(self) -> ShardEngine:
         try:
             engine = self.build()
+        except InvalidTarget:
+            raise
         except Exception as error:
             message = f"engine target {self.name!r} raised {type(error).__name__} when called: {error}"
             raise InvalidTarget(message) from error

@@ -12,6 +12,7 @@ from typing import Any
 from ._version import __version__
 from .contract import LoadRequest
 from .driver import StepRecord, Violation
+from .isolation import IsolationOptions
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "trace_document", "write_atomically"]
 
@@ -29,6 +30,7 @@ def trace_document(
     seed: int | None,
     twins: bool = True,
     reference: str | None = None,
+    isolation: IsolationOptions | None = None,
 ) -> dict[str, Any]:
     steps = [
         {**record.action.to_json(), "expected": record.expected, "observed": record.observed} for record in records
@@ -54,6 +56,8 @@ def trace_document(
         "faults_enabled": sorted(faults),
         "twins": twins,
         "reference": reference,
+        # The engine ran in a worker process (--isolate): its failure may be a process death.
+        "isolate": isolation.to_json() if isolation is not None else None,
         "fault_steps": fault_steps,
         "seed": seed,
         "steps": steps,

@@ -61,6 +61,7 @@ __all__ = [
     "RemoteProtocolError",
     "RemoteShardEngine",
     "RemoteUnavailable",
+    "close_connection",
     "close_connections",
     "parse_address",
     "remote_target",
@@ -248,6 +249,14 @@ def _forget(connection: _Connection) -> None:
     with _connections_lock:
         if _connections.get(connection.url) is connection:
             del _connections[connection.url]
+
+
+def close_connection(url: str) -> None:
+    """Close the cached channel to ``url`` (a server known to be gone), if there is one."""
+    with _connections_lock:
+        connection = _connections.pop(url, None)
+    if connection is not None:
+        connection.close()
 
 
 def close_connections() -> None:

@@ -35,12 +35,23 @@ from ..proto import shard_engine_pb2_grpc as pb_grpc
 from ..targets import EngineFactory, ResolvedTarget, resolve_target
 from . import codec
 
-__all__ = ["EXCEPTION_TYPE_KEY", "EngineServer", "ShardEngineServicer", "parse_listen", "serve"]
+__all__ = [
+    "EXCEPTION_TYPE_KEY",
+    "EXIT_ENGINE_RAISED",
+    "EXIT_OUT_OF_MEMORY",
+    "EngineServer",
+    "ShardEngineServicer",
+    "parse_listen",
+    "serve",
+]
 
 T = TypeVar("T")
 
 #: Trailing metadata naming the type of the exception an engine raised.
 EXCEPTION_TYPE_KEY = "shardkit-exception-type"
+#: A worker's exit code when its engine raised (EX_SOFTWARE), and when it raised MemoryError.
+EXIT_ENGINE_RAISED = 70
+EXIT_OUT_OF_MEMORY = 71
 _WORKERS = 8
 
 
@@ -64,10 +75,13 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         *,
         protocol_version: str = codec.PROTOCOL_VERSION,
         log: TextIO | None = None,
+        fatal_exceptions: bool = False,
     ) -> None:
         self.target = target
         self.protocol_version = protocol_version
         self.log = log
+        #: A worker (``--worker``): an engine's exception ends the process, as a native crash would.
+        self.fatal_exceptions = fatal_exceptions
         self._engines: dict[int, _Slot] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -197,6 +211,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         except Exception as error:
             failure = error
         self._report(operation, failure)
+        self._die_if_fatal(failure)
         details = f"{operation}() returned an answer that cannot be sent: {_describe(failure)}"
         _abort(context, grpc.StatusCode.INTERNAL, details)
 
@@ -222,8 +237,13 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                     raise
                 failure = error
         self._report(f"engine {engine_id}: {operation}", failure)
+        self._die_if_fatal(failure)
         context.set_trailing_metadata([(EXCEPTION_TYPE_KEY, _ascii(type(failure).__qualname__))])
         _abort(context, grpc.StatusCode.INTERNAL, _describe(failure))
+
+    def _die_if_fatal(self, error: BaseException) -> None:
+        if self.fatal_exceptions:
+            os._exit(EXIT_OUT_OF_MEMORY if isinstance(error, MemoryError) else EXIT_ENGINE_RAISED)
 
     def _report(self, where: str, error: BaseException) -> None:
         """One line per exception (and its notes), with the line that raised it: a crash
@@ -291,15 +311,20 @@ def serve(
     *,
     protocol_version: str = codec.PROTOCOL_VERSION,
     log: TextIO | None = None,
+    fatal_exceptions: bool = False,
 ) -> EngineServer:
     """Serve engines built from ``target`` on ``listen`` and return the running server.
 
     ``protocol_version`` exists so tests can play an incompatible server; ``log`` gets a
-    line for every exception an engine raises (``shardkit serve`` passes stderr).
+    line for every exception an engine raises (``shardkit serve`` passes stderr);
+    ``fatal_exceptions`` ends the process after that line (exit ``EXIT_ENGINE_RAISED``, or
+    ``EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does.
     """
     resolved = resolve_target(target)
     bind, host = parse_listen(listen)
-    servicer = ShardEngineServicer(resolved, protocol_version=protocol_version, log=log)
+    servicer = ShardEngineServicer(
+        resolved, protocol_version=protocol_version, log=log, fatal_exceptions=fatal_exceptions
+    )
     # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
     # then never see a call: a port in use must be an error instead.
     options = [*codec.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]

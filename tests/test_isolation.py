@@ -1,0 +1,250 @@
+"""``--isolate``: engines in a worker process whose deaths are ordinary, shrunk, replayable failures.
+
+The five dying planted engines (``tests/planted/dying.py``) abort, segfault, hang,
+exit and allocate without bound; each is fuzzed once per module in a worker
+process, and must be found under its property, shrunk to its minimal sequence
+and replayed, while this process survives and no worker outlives its run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shardkit import FakeShardEngine, LoadRequest
+from shardkit.cli import main
+from shardkit.driver import Driver
+from shardkit.errors import InvalidTarget
+from shardkit.isolation import IsolationOptions, isolated_target, target_with_options
+from shardkit.machine import machine_for
+from shardkit.remote.client import RemoteProtocolError
+from shardkit.replay import load_trace, replay
+from shardkit.runner import FuzzResult, fuzz
+from shardkit.steps import Action, step_action
+
+from .planted.dying import DYING, DyingEngine
+
+pytest.importorskip("grpc")
+
+SEED = 3
+
+
+def worker_children() -> set[int]:
+    """This process's children that are shardkit workers, alive (zombies excluded)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        state, parent = fields[0], int(fields[1])
+        if parent == os.getpid() and state != "Z" and b"serve" in command and b"--worker" in command:
+            found.add(int(entry.name))
+    return found
+
+
+def options_for(engine: type[DyingEngine]) -> IsolationOptions:
+    return IsolationOptions(engine.STEP_TIMEOUT or 5.0, engine.WORKER_MEMORY)
+
+
+@pytest.fixture(scope="module")
+def dying_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[type[DyingEngine], tuple[FuzzResult, set[int]]]:
+    """Each dying engine fuzzed in a worker with --seed 3, and the workers left after its run."""
+    runs = {}
+    for engine in DYING:
+        before = worker_children()
+        result = fuzz(
+            f"tests.planted.dying:{engine.__name__}",
+            seed=SEED,
+            role=engine.ROLE,
+            out=tmp_path_factory.mktemp(engine.__name__),
+            isolate=options_for(engine),
+        )
+        runs[engine] = (result, worker_children() - before)
+    return runs
+
+
+@pytest.mark.parametrize("engine", DYING, ids=lambda engine: engine.__name__)
+def test_each_dying_engine_is_found_shrunk_and_replayed_in_a_worker(
+    engine: type[DyingEngine], dying_runs: dict[type[DyingEngine], tuple[FuzzResult, set[int]]]
+) -> None:
+    result, leftovers = dying_runs[engine]
+    failure = result.failure
+    assert failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
+    assert failure.violation.property == engine.PROPERTY, failure.violation.message
+    assert len(failure.records) == len(engine.MINIMAL), failure.violation.message
+    assert result.minimized is not None and result.minimized.one_minimal
+    assert "engine process " in failure.violation.message
+    assert f"during step {len(engine.MINIMAL)}: " in failure.violation.message
+    assert leftovers == set(), f"worker processes outlived the run: {leftovers}"
+    assert result.trace_path is not None
+    trace = load_trace(result.trace_path)
+    assert trace.isolation == options_for(engine)
+    replayed = replay(result.trace_path)
+    assert replayed.reproduced, replayed.failure
+    assert len(replayed.records) == len(engine.MINIMAL)
+    assert "--isolate" in result.rerun_command
+
+
+def test_each_death_names_how_the_process_ended_and_what_it_printed(
+    dying_runs: dict[type[DyingEngine], tuple[FuzzResult, set[int]]],
+) -> None:
+    messages = {engine: run.failure.violation.message for engine, (run, _) in dying_runs.items() if run.failure}
+    segfault = messages[DYING[1]]
+    assert "engine process killed by SIGSEGV during step 3: decode(session='a'" in segfault
+    assert "Fatal Python error: Segmentation fault" in segfault
+    assert "dying.py" in segfault  # faulthandler's stack names the engine's line
+    assert "engine process killed by SIGABRT during step 2" in messages[DYING[0]]
+    hang = messages[DYING[2]]
+    assert "missed its 1 s step deadline (the kit killed it)" in hang
+    assert "in decode" in hang  # the hung thread's stack, dumped before the kill
+    assert "engine process exited with code 3 during step 3" in messages[DYING[3]]
+    memory = messages[DYING[4]]
+    assert "ran out of memory within --worker-memory 512 MB" in memory
+    assert "MemoryError" in memory
+
+
+def test_a_dying_engines_regression_test_fails_and_the_cli_replays_it(
+    dying_runs: dict[type[DyingEngine], tuple[FuzzResult, set[int]]],
+    capsys: pytest.CaptureFixture[str],
+    repo_root: Path,
+) -> None:
+    result, _ = dying_runs[DYING[1]]
+    assert result.trace_path is not None and result.regression_path is not None
+    assert main(["replay", str(result.trace_path)]) == 1
+    assert "engine process killed by SIGSEGV during step 3" in capsys.readouterr().out
+    test_run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(result.regression_path)],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        timeout=120,
+    )
+    assert test_run.returncode == 1, test_run.stdout + test_run.stderr
+    assert "1 failed" in test_run.stdout
+
+
+def test_the_fake_isolated_finds_nothing_and_leaves_no_worker(tmp_path: Path) -> None:
+    before = worker_children()
+    result = fuzz("shardkit:FakeShardEngine", seed=1, examples=40, steps=30, out=tmp_path, isolate=True)
+    assert result.failure is None, result.failure.violation.message if result.failure else ""
+    assert result.coverage[("prefill", "CRASH")] + result.coverage[("decode", "CRASH")] > 0
+    assert worker_children() - before == set()
+
+
+def test_an_injected_crash_really_kills_the_worker() -> None:
+    """Native (the fake raises in the worker, which then exits) and at the boundary (the kit kills it)."""
+    for name in ("shardkit:FakeShardEngine", "tests.planted:DelegatingEngine"):
+        target = isolated_target(name)
+        assert target.isolation is not None
+        try:
+            driver = Driver(target, LoadRequest("m", 0, 3, 4), faults=frozenset({"crash"}))
+            worker = driver.target.isolation.pids[0]  # type: ignore[union-attr]
+            driver.execute(Action("fault", {"kind": "crash", "value": 1.0}))
+            record = driver.execute(step_action("prefill", "a", 0, 0, (1,)))
+            assert record.outcome == "CRASH"
+            assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+            assert driver.target.isolation.pids and worker not in driver.target.isolation.pids  # type: ignore[union-attr]
+            assert driver.execute(step_action("prefill", "a", 0, 0, (1,))).outcome == "OK"
+        finally:
+            target.isolation.close()
+
+
+def test_a_garbage_answer_is_named_and_the_worker_replaced() -> None:
+    target = isolated_target("shardkit:FakeShardEngine")
+    pool = target.isolation
+    assert pool is not None
+    try:
+        engine = target()
+        first = pool.pids[0]
+        error = RemoteProtocolError("bad", address=engine.url, operation="decode(...)")  # type: ignore[attr-defined]
+        death = pool.death(error)
+        assert death is not None and death.property == "garbage answer"
+        assert first not in pool.pids
+        target().load(LoadRequest("m", 0, 3, 4))  # a fresh worker serves the next engine
+        assert pool.pids and first not in pool.pids
+    finally:
+        pool.close()
+    assert pool.pids == []
+
+
+def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo_root: Path) -> None:
+    script = tmp_path / "kit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            from shardkit.isolation import isolated_target
+            target = isolated_target("shardkit:FakeShardEngine")
+            target()
+            print(target.isolation.pids[0], flush=True)
+            os._exit(0)  # no close, no atexit: as if the kit were killed
+            """
+        )
+    )
+    kit = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        timeout=60,
+    )
+    worker = int(kit.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{worker}").exists(), f"worker {worker} outlived its kit"
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error_and_is_not_left_behind() -> None:
+    before = worker_children()
+    expected = r"worker process for shardkit:FakeShardEngine exited with code 2 before serving: .* give it at least \d+"
+    with pytest.raises(InvalidTarget, match=expected):
+        machine_for("shardkit:FakeShardEngine", isolate=True, worker_memory_mb=1)
+    assert worker_children() - before == set()
+
+
+def test_options_that_cannot_apply_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs isolate=True"):
+        target_with_options("shardkit:FakeShardEngine", worker_memory_mb=100)
+    with pytest.raises(ValueError, match="needs isolate=True"):
+        target_with_options("shardkit:FakeShardEngine", step_timeout=1.0)
+    with pytest.raises(InvalidTarget, match="already out of process"):
+        isolated_target("grpc://127.0.0.1:1")
+    with pytest.raises(InvalidTarget, match="import by name"):
+        isolated_target(lambda: FakeShardEngine())
+    with pytest.raises(ValueError, match="step_timeout"):
+        IsolationOptions(0.0)
+    with pytest.raises(ValueError, match="worker_memory_mb"):
+        IsolationOptions(1.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["fuzz", "--worker-memory", "100"], "--worker-memory limits a worker process; it needs --isolate"),
+        (["fuzz", "--step-timeout", "1"], "--step-timeout is the deadline of calls to another process"),
+        (["fuzz", "grpc://127.0.0.1:9", "--isolate"], "is already out of process"),
+        (["fuzz", "--isolate", "--step-timeout", "0"], "--step-timeout must be a number of seconds"),
+        (["fuzz", "--isolate", "--worker-memory", "lots"], "--worker-memory must be a positive integer"),
+    ],
+)
+def test_isolation_usage_errors_exit_2_with_one_line(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert fragment in error
+    assert error.count("\n") == 1
