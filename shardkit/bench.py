@@ -6,12 +6,15 @@ shifts both sides alike. Nothing here asserts a speed: it prints figures.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +138,50 @@ def _engines(config: BenchSettings) -> dict[str, Any]:
     return rows
 
 
+def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
+    """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
+    (``--isolate``): the same seed, so the same steps, at different costs."""
+    try:
+        from .isolation import isolated_target
+        from .remote.client import close_connection
+    except ImportError as error:
+        return f"skipped: needs the grpc extra ({error})"
+    rows: dict[str, Any] = {}
+    for faults in ("all", "none"):
+        for mode in ("in-process", "grpc", "isolated"):
+            row: dict[str, Any] = {}
+            with contextlib.ExitStack() as stack:
+                target: Any = "shardkit:FakeShardEngine"
+                if mode == "grpc":
+                    target = stack.enter_context(_served_fake())
+                    stack.callback(close_connection, target)
+                elif mode == "isolated":
+                    target = isolated_target(target)
+                    stack.callback(target.isolation.close)
+                run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+                row["steps_per_s"] = round(run.steps / run.elapsed_s, 1)
+                row["steps"] = run.steps
+                if mode == "isolated":
+                    row["workers_started"] = target.isolation.workers_started
+            rows[f"{mode}, faults {faults}"] = row
+    return rows
+
+
+@contextlib.contextmanager
+def _served_fake() -> Iterator[str]:
+    """A ``shardkit serve`` process for the fake on a Unix socket, stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as folder:
+        address = f"unix:{folder}/fake.sock"
+        command = [sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", address]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as server:
+            try:
+                assert server.stdout is not None
+                server.stdout.readline()  # "serving … on …" once it listens
+                yield address
+            finally:
+                server.kill()
+
+
 def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
     if config.planted_module is None:
         return "skipped (--planted none)"
@@ -193,6 +240,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     throughput = _throughput(config)
     engines = _engines(config)
+    out_of_process = _out_of_process(config)
     planted = _planted(config)
     full = throughput["full"]
     return {
@@ -204,6 +252,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "throughput_ratio": full["throughput_ratio"],
         "per_role": throughput,
         "engines": engines,
+        "out_of_process": out_of_process,
         "planted": planted,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -244,6 +293,19 @@ def render(bench: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs"
                 f"{found}"
+            )
+    out_of_process = bench["out_of_process"]
+    if isinstance(out_of_process, str):
+        lines.append(f"out of process: {out_of_process}")
+    else:
+        lines.append("out of process (fake, same seed: the same steps):")
+        base = {faults: out_of_process[f"in-process, faults {faults}"]["steps_per_s"] for faults in ("all", "none")}
+        for name, row in out_of_process.items():
+            faults = name.rpartition(" ")[2]
+            workers = f", {row['workers_started']} worker processes started" if "workers_started" in row else ""
+            lines.append(
+                f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s  x{base[faults] / row['steps_per_s']:.1f} slower"
+                f"  ({row['steps']} steps{workers})"
             )
     planted = bench["planted"]
     if isinstance(planted, str):

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+# Imports stay light here: `shardkit serve --worker` starts through this module, once per
+# worker process, and should not pay for Hypothesis; each command imports what it runs.
 from ._version import __version__
-from .contract import FAULT_KINDS
+from .contract import FAULT_KINDS, ROLES
 from .errors import ContractViolation, InvalidTarget, ShardkitError
-from .machine import ROLES, parse_faults
-from .runner import DEFAULT_OUT, parse_seed
 from .targets import DEFAULT_TARGET, ResolvedTarget, resolve_target
+from .trace import DEFAULT_OUT
 
 __all__ = ["main"]
 
@@ -56,6 +57,8 @@ def _positive_int(name: str) -> type[int]:
 
 
 def _seed(text: str) -> int:
+    from .runner import parse_seed
+
     try:
         return parse_seed(text, "--seed")
     except ValueError as error:
@@ -120,6 +123,8 @@ def _check_isolation_options(command: str, args: argparse.Namespace, target: str
 
 
 def _faults(text: str) -> str:
+    from .machine import parse_faults
+
     try:
         parse_faults(text)
     except ValueError as error:
@@ -384,7 +389,9 @@ def _limit_memory(mebibytes: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = mebibytes * 2**20
     if hard != resource.RLIM_INFINITY and limit > hard:
-        message = f"shardkit serve: --worker-memory {mebibytes} MiB is above this system's hard limit of {hard // 2**20} MiB"
+        message = (
+            f"shardkit serve: --worker-memory {mebibytes} MiB is above this system's hard limit of {hard // 2**20} MiB"
+        )
         raise UsageError(message)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 

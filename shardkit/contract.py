@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 Role = Literal["head", "middle", "tail", "full"]
+#: Every role, in the order the machine draws them.
+ROLES: tuple[Role, ...] = ("full", "head", "tail", "middle")
 FaultKind = Literal["delay", "memory_pressure", "malformed_output", "crash"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("delay", "memory_pressure", "malformed_output", "crash")
 EVIDENCE_CLASSES = ("fixture", "real")

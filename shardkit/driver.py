@@ -181,14 +181,22 @@ class Driver:
 
     def _start_engine(self) -> None:
         raw = self.target()
-        loaded = raw.load(self.load_request)
+        try:
+            loaded = raw.load(self.load_request)
+            caps = raw.capabilities()
+        except Exception as error:
+            death = self._death(error)
+            if death is None:
+                raise
+            tail = "".join(f"\n  | {line}" for line in death.stderr_tail)
+            message = f"engine process of {self.target.name} {death.summary} while loading {self.load_request}{tail}"
+            raise ShardkitError(message) from error
         if not loaded.status.ok:
             message = (
                 f"engine {self.target.name} refused {self.load_request}: "
                 f"{loaded.status.code.name} {loaded.status.message}"
             )
             raise ShardkitError(message)
-        caps = raw.capabilities()
         self.native_faults, self.boundary_faults = usable_faults(caps, raw, self.wanted_faults)
         self.engine: ShardEngine = FaultInjectingEngine(raw, self.sleep) if self.boundary_faults else raw
         self._fault_target: FaultInjectable | None = raw if isinstance(raw, FaultInjectable) else None

@@ -44,10 +44,8 @@ class IsolationOptions:
 
     def __post_init__(self) -> None:
         timeout = self.step_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-            message = f"step_timeout must be a finite number of seconds > 0, got {timeout!r}"
-            raise ValueError(message)
-        if timeout <= 0:
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not (number and math.isfinite(timeout) and timeout > 0):
             message = f"step_timeout must be a finite number of seconds > 0, got {timeout!r}"
             raise ValueError(message)
         memory = self.worker_memory_mb
@@ -155,9 +153,7 @@ def target_with_options(
             raise ValueError(message)
         return isolated_target(target, isolate)
     if isolate:
-        options = IsolationOptions(
-            DEFAULT_STEP_TIMEOUT if step_timeout is None else step_timeout, worker_memory_mb
-        )
+        options = IsolationOptions(DEFAULT_STEP_TIMEOUT if step_timeout is None else step_timeout, worker_memory_mb)
         return isolated_target(target, options)
     if worker_memory_mb is not None:
         message = "worker_memory_mb (--worker-memory) limits a worker process: it needs isolate=True (--isolate)"

@@ -23,7 +23,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
-from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, EngineError, LoadRequest, Role
+from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
 from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
 from .errors import ShardkitError
 from .isolation import IsolationOptions, target_with_options
@@ -43,7 +43,6 @@ __all__ = [
     "step_rule",
 ]
 
-ROLES: tuple[Role, ...] = ("full", "head", "tail", "middle")
 #: Realistic ids: short and long, non-ASCII, sharing prefixes, with separators.
 SESSION_IDS = ("a", "b", "req-0001", "req-0001/retry", "sess-é-日本語", "x" * 200, "a b", "req-00010")
 CHUNK_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 64)

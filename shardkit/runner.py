@@ -33,7 +33,7 @@ from .minimize import MinimizedFailure, minimize_failure
 from .model import ReferenceModel
 from .regression import regression_test_source
 from .targets import EngineFactory, ResolvedTarget, short_name
-from .trace import trace_document, write_atomically
+from .trace import DEFAULT_OUT, trace_document, write_atomically
 
 __all__ = [
     "DEFAULT_OUT",
@@ -46,7 +46,6 @@ __all__ = [
     "run_machine",
 ]
 
-DEFAULT_OUT = Path(".shardkit/failures")
 DEFAULT_SHRINK_SECONDS = 10.0
 Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
 
@@ -331,7 +330,9 @@ def fuzz(
         worker_memory_mb=worker_memory_mb,
     )
     isolation = machine.target.isolation
-    started_workers = isolation is not None and not (isinstance(target, ResolvedTarget) and target.isolation is isolation)
+    started_workers = isolation is not None and not (
+        isinstance(target, ResolvedTarget) and target.isolation is isolation
+    )
     run_settings = settings(
         max_examples=examples,
         stateful_step_count=steps,

@@ -14,7 +14,10 @@ from .contract import LoadRequest
 from .driver import StepRecord, Violation
 from .isolation import IsolationOptions
 
-__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "trace_document", "write_atomically"]
+__all__ = ["DEFAULT_OUT", "TRACE_FORMAT", "TRACE_VERSION", "trace_document", "write_atomically"]
+
+#: Where failure traces and regression tests go unless told otherwise.
+DEFAULT_OUT = Path(".shardkit/failures")
 
 TRACE_FORMAT = "shardkit-trace"
 TRACE_VERSION = 1

@@ -27,3 +27,9 @@ TestMiddleWithFaults = _suite("middle", "all")
 TestMiddleWithoutFaults = _suite("middle", "none")
 TestTailWithFaults = _suite("tail", "all")
 TestTailWithoutFaults = _suite("tail", "none")
+
+# The fake again, in a worker process (the grpc extra): an isolated engine must behave
+# exactly as in-process, injected crashes included (each really ends the worker).
+_isolated = machine_for("shardkit:FakeShardEngine", role="head", isolate=True, name="Fake_head_isolated")
+_isolated.TestCase.settings = settings(CI_SETTINGS, max_examples=50, stateful_step_count=30)
+TestHeadIsolated = _isolated.TestCase

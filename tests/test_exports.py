@@ -64,3 +64,30 @@ def test_the_package_has_a_version_and_ships_types() -> None:
 
     assert shardkit.__version__
     assert files("shardkit").joinpath("py.typed").is_file()
+
+
+def test_every_public_name_is_its_object_even_after_every_submodule_is_imported() -> None:
+    """Public names are imported on first use; a submodule of the same name must not shadow one."""
+    import importlib
+    import pkgutil
+    import types
+
+    for module in pkgutil.walk_packages(shardkit.__path__, "shardkit."):
+        if module.name.startswith(("shardkit.proto", "shardkit.remote", "shardkit.engines.llama_cpp")):
+            continue  # optional extras
+        if module.name == "shardkit.__main__":
+            continue  # runs the command
+        importlib.import_module(module.name)
+    for name in shardkit.__all__:
+        assert not isinstance(getattr(shardkit, name), types.ModuleType), name
+    assert sorted(shardkit.__all__) == sorted(name for name in dir(shardkit) if name in shardkit.__all__)
+
+
+def test_a_worker_process_does_not_import_hypothesis() -> None:
+    """`shardkit serve --worker` starts once per crash under --isolate: it stays light."""
+    import subprocess
+    import sys
+
+    probe = "import sys, shardkit.cli, shardkit.remote.server; print('hypothesis' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert imported.strip() == "False"

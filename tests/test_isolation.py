@@ -20,7 +20,7 @@ import pytest
 from shardkit import FakeShardEngine, LoadRequest
 from shardkit.cli import main
 from shardkit.driver import Driver
-from shardkit.errors import InvalidTarget
+from shardkit.errors import InvalidTarget, ShardkitError
 from shardkit.isolation import IsolationOptions, isolated_target, target_with_options
 from shardkit.machine import machine_for
 from shardkit.remote.client import RemoteProtocolError
@@ -83,7 +83,8 @@ def test_each_dying_engine_is_found_shrunk_and_replayed_in_a_worker(
     assert failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
     assert failure.violation.property == engine.PROPERTY, failure.violation.message
     assert len(failure.records) == len(engine.MINIMAL), failure.violation.message
-    assert result.minimized is not None and result.minimized.one_minimal
+    assert result.minimized is not None
+    assert result.minimized.one_minimal
     assert "engine process " in failure.violation.message
     assert f"during step {len(engine.MINIMAL)}: " in failure.violation.message
     assert leftovers == set(), f"worker processes outlived the run: {leftovers}"
@@ -120,7 +121,8 @@ def test_a_dying_engines_regression_test_fails_and_the_cli_replays_it(
     repo_root: Path,
 ) -> None:
     result, _ = dying_runs[DYING[1]]
-    assert result.trace_path is not None and result.regression_path is not None
+    assert result.trace_path is not None
+    assert result.regression_path is not None
     assert main(["replay", str(result.trace_path)]) == 1
     assert "engine process killed by SIGSEGV during step 3" in capsys.readouterr().out
     test_run = subprocess.run(
@@ -155,10 +157,20 @@ def test_an_injected_crash_really_kills_the_worker() -> None:
             record = driver.execute(step_action("prefill", "a", 0, 0, (1,)))
             assert record.outcome == "CRASH"
             assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
-            assert driver.target.isolation.pids and worker not in driver.target.isolation.pids  # type: ignore[union-attr]
+            assert driver.target.isolation.pids
+            assert worker not in driver.target.isolation.pids
             assert driver.execute(step_action("prefill", "a", 0, 0, (1,))).outcome == "OK"
         finally:
             target.isolation.close()
+
+
+def test_a_worker_dying_in_load_is_a_clear_error() -> None:
+    target = isolated_target("tests.planted.dying:ExitsOnLoad")
+    try:
+        with pytest.raises(ShardkitError, match=r"engine process of .*ExitsOnLoad exited with code 4 while loading"):
+            Driver(target, LoadRequest("m", 0, 3, 4))
+    finally:
+        target.isolation.close()  # type: ignore[union-attr]
 
 
 def test_a_garbage_answer_is_named_and_the_worker_replaced() -> None:
@@ -170,10 +182,12 @@ def test_a_garbage_answer_is_named_and_the_worker_replaced() -> None:
         first = pool.pids[0]
         error = RemoteProtocolError("bad", address=engine.url, operation="decode(...)")  # type: ignore[attr-defined]
         death = pool.death(error)
-        assert death is not None and death.property == "garbage answer"
+        assert death is not None
+        assert death.property == "garbage answer"
         assert first not in pool.pids
         target().load(LoadRequest("m", 0, 3, 4))  # a fresh worker serves the next engine
-        assert pool.pids and first not in pool.pids
+        assert pool.pids
+        assert first not in pool.pids
     finally:
         pool.close()
     assert pool.pids == []

@@ -242,7 +242,11 @@ class WorkerPool:
             worker.kill()
             summary = f"missed its {error.timeout_seconds:g} s step deadline (the kit killed it)"
             return ProcessDeath("step deadline", summary, worker.tail())
-        code = worker.exit_code(EXIT_GRACE_SECONDS) if isinstance(error, (RemoteUnavailable, RemoteEngineCrashed)) else None
+        code = (
+            worker.exit_code(EXIT_GRACE_SECONDS)
+            if isinstance(error, (RemoteUnavailable, RemoteEngineCrashed))
+            else None
+        )
         if code is None:
             worker.kill()
             if isinstance(error, RemoteUnavailable):
@@ -254,12 +258,16 @@ class WorkerPool:
 
     def _exit_death(self, code: int, tail: tuple[str, ...]) -> ProcessDeath:
         limit = self.options.worker_memory_mb
-        if code == EXIT_OUT_OF_MEMORY or (limit is not None and any(sign in line for line in tail for sign in _MEMORY_SIGNS)):
+        if code == EXIT_OUT_OF_MEMORY or (
+            limit is not None and any(sign in line for line in tail for sign in _MEMORY_SIGNS)
+        ):
             within = f" within --worker-memory {limit} MB" if limit is not None else ""
             return ProcessDeath("worker memory", f"ran out of memory{within} ({_exit_text(code)})", tail)
         if code == EXIT_ENGINE_RAISED:
             raised = next((line.partition(" raised ")[2] for line in reversed(tail) if " raised " in line), "")
-            return ProcessDeath("unexplained exception", f"exited after the engine raised {raised or 'an exception'}", tail)
+            return ProcessDeath(
+                "unexplained exception", f"exited after the engine raised {raised or 'an exception'}", tail
+            )
         if code < 0:
             name = _signal_name(-code)
             return ProcessDeath(f"process killed by {name}", f"killed by {name}", tail)

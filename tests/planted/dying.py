@@ -14,7 +14,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from shardkit import DecodeRequest, PrefillRequest, StatusCode, StepResult, StructuredStatus
+from shardkit import (
+    DecodeRequest,
+    LoadRequest,
+    LoadResult,
+    PrefillRequest,
+    StatusCode,
+    StepResult,
+    StructuredStatus,
+)
 
 from . import PlantedEngine
 
@@ -135,6 +143,14 @@ class AllocatesWithoutBoundAfterRelease(DyingEngine):
         if session_id in self.opened:
             self.released.add(session_id)
         return self.inner.release(session_id)
+
+
+class ExitsOnLoad(PlantedEngine):
+    """Not a planted bug for the machine (every example starts with a load): for the
+    driver's message when a worker dies before the first step."""
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        os._exit(4)
 
 
 DYING: tuple[type[DyingEngine], ...] = (
