@@ -302,7 +302,8 @@ def render(bench: dict[str, Any]) -> str:
         base = {faults: out_of_process[f"in-process, faults {faults}"]["steps_per_s"] for faults in ("all", "none")}
         for name, row in out_of_process.items():
             faults = name.rpartition(" ")[2]
-            workers = f", {row['workers_started']} worker processes started" if "workers_started" in row else ""
+            started = row.get("workers_started")
+            workers = "" if started is None else f", {started} worker process{'es' if started != 1 else ''} started"
             lines.append(
                 f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s  x{base[faults] / row['steps_per_s']:.1f} slower"
                 f"  ({row['steps']} steps{workers})"
