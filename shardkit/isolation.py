@@ -14,7 +14,6 @@ isolation without importing gRPC; the workers themselves need the ``grpc`` extra
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,10 +54,6 @@ class IsolationOptions:
 
     def to_json(self) -> dict[str, Any]:
         return {"step_timeout": self.step_timeout, "worker_memory_mb": self.worker_memory_mb}
-
-    @classmethod
-    def from_json(cls, document: Mapping[str, Any]) -> IsolationOptions:
-        return cls(float(document["step_timeout"]), document.get("worker_memory_mb"))
 
     def command_options(self) -> list[str]:
         """The ``shardkit fuzz``/``replay`` options that ask for these settings."""
@@ -113,15 +108,18 @@ def isolated_target(
     """
     resolved = resolve_target(target)
     if resolved.isolation is not None:
+        if options is not None and options != resolved.isolation.options:
+            message = f"{resolved.name} is already isolated with {resolved.isolation.options}, not {options}"
+            raise ValueError(message)
         return resolved
     name = resolved.name
     if name.startswith(("grpc://", "unix:")):
         message = f"--isolate runs a Python engine target in a child process; {name} is already out of process"
         raise InvalidTarget(message)
-    if "<" in name:
+    if "<" in name or name.startswith("__main__:"):
         message = (
             f"--isolate needs an engine target the worker process can import by name, got {name!r}: "
-            "define the factory at module level and pass 'module:attr' or 'path/to/file.py:attr'"
+            "define the factory at module level of an importable module and pass 'module:attr' or 'path/to/file.py:attr'"
         )
         raise InvalidTarget(message)
     resolve_target(name)  # the child will import it by this name: refuse a name that does not import here

@@ -177,6 +177,9 @@ def test_a_garbage_answer_is_named_and_the_worker_replaced() -> None:
     target = isolated_target("shardkit:FakeShardEngine")
     pool = target.isolation
     assert pool is not None
+    assert isolated_target(target) is target
+    with pytest.raises(ValueError, match="already isolated"):
+        isolated_target(target, IsolationOptions(1.0))
     try:
         engine = target()
         first = pool.pids[0]
@@ -239,6 +242,13 @@ def test_options_that_cannot_apply_are_refused() -> None:
         isolated_target("grpc://127.0.0.1:1")
     with pytest.raises(InvalidTarget, match="import by name"):
         isolated_target(lambda: FakeShardEngine())
+
+    def make_engine() -> FakeShardEngine:
+        return FakeShardEngine()
+
+    make_engine.__module__, make_engine.__qualname__ = "__main__", "make_engine"  # a script's own factory
+    with pytest.raises(InvalidTarget, match="'__main__:make_engine'"):
+        isolated_target(make_engine)
     with pytest.raises(ValueError, match="step_timeout"):
         IsolationOptions(0.0)
     with pytest.raises(ValueError, match="worker_memory_mb"):

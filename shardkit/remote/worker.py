@@ -165,6 +165,7 @@ class WorkerPool:
         self._current: _Worker | None = None
         self._spare: _Worker | None = None
         self._by_url: dict[str, _Worker] = {}
+        #: Deaths so far; after the first a spare worker is kept starting.
         self._deaths = 0
         self._lock = threading.RLock()
         self._closed = False
@@ -276,8 +277,10 @@ class WorkerPool:
     def kill(self) -> None:
         with self._lock:
             current = self._current
-            if current is not None and current.alive():
+            if current is not None and current.death is None:
                 current.kill()
+                current.death = ProcessDeath("killed", "was killed by the kit (an injected crash)", current.tail())
+                self._deaths += 1
 
     def close(self) -> None:
         with self._lock:
