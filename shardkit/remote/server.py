@@ -11,6 +11,8 @@ An exception raised by an engine is a process death for the kit: the server answ
 the call with gRPC status ``INTERNAL``, details ``"TypeName: message"`` (with any
 notes) and the trailing metadata ``shardkit-exception-type``. ``EngineError`` from
 ``load`` and ``capabilities`` is part of the contract, so it travels in the response.
+A worker of ``--isolate`` (``fatal_exceptions``) instead ends its process after logging
+the exception, as a native engine's process would die (see ``worker.py``).
 """
 
 from __future__ import annotations
