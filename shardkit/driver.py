@@ -188,8 +188,8 @@ class Driver:
             death = self._death(error)
             if death is None:
                 raise
-            tail = "".join(f"\n  | {line}" for line in death.stderr_tail)
-            message = f"engine process of {self.target.name} {death.summary} while loading {self.load_request}{tail}"
+            what = f"engine process of {self.target.name} {death.summary} while loading {self.load_request}"
+            message = what + death.quoted_tail()
             raise ShardkitError(message) from error
         if not loaded.status.ok:
             message = (
@@ -282,8 +282,8 @@ class Driver:
         index, action = self._step
         serving = " while serving a twin of the oracle" if in_twin else ""
         observed = f"engine process {death.summary}{serving} during step {index}: {action.describe()}"
-        tail = "\n".join(f"  | {line}" for line in death.stderr_tail)
-        detail = f"its output ended with:\n{tail}" if tail else "it printed nothing"
+        tail = death.quoted_tail()
+        detail = f"its output ended with:{tail}" if tail else "it printed nothing"
         return _Fail(death.property, expected, observed, detail)
 
     def _recover_from_crash(self, call: str) -> None:

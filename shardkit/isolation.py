@@ -78,6 +78,10 @@ class ProcessDeath:
     summary: str
     stderr_tail: tuple[str, ...] = ()
 
+    def quoted_tail(self) -> str:
+        """The tail, one ``  | line`` per line, each after a newline (empty if it printed nothing)."""
+        return "".join(f"\n  | {line}" for line in self.stderr_tail)
+
 
 class Isolation(Protocol):
     """What the driver and the runner ask of an isolated target (see ``remote/worker.py``)."""

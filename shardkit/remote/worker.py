@@ -193,8 +193,8 @@ class WorkerPool:
             death = self.death(error)
             if death is None:
                 raise
-            tail = "".join(f"\n  | {line}" for line in death.stderr_tail)
-            message = f"the worker process for {self.target} {death.summary} while building an engine{tail}"
+            message = f"the worker process for {self.target} {death.summary} while building an engine"
+            message += death.quoted_tail()
             raise InvalidTarget(message) from error
 
     def _serving_worker(self) -> _Worker:
