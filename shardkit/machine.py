@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 import unittest
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from hypothesis import HealthCheck, event, reject, settings
+from hypothesis import event, reject, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
+from . import _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
 from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
 from .errors import ShardkitError
@@ -51,28 +51,6 @@ EPOCH_JUMPS = (1, 2, 1000, 2**62)
 STEP_DELTAS = (1, 2, -2, 2**62)
 DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
 BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
-
-settings.register_profile(
-    "shardkit-ci",
-    derandomize=True,
-    max_examples=200,
-    stateful_step_count=50,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "shardkit-dev", max_examples=50, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "shardkit-nightly",
-    max_examples=5000,
-    stateful_step_count=100,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -130,16 +108,17 @@ class RunStats:
     on_example: Callable[[int, int, int], object] | None = None
     #: The failing example with the fewest steps so far.
     shortest: FailureReport | None = None
-    #: After this (time.monotonic()), stop Hypothesis's shrinking: the replay minimiser takes over.
-    shrink_deadline: float | None = None
+    #: Once ``steps`` passes this count, stop Hypothesis's shrinking: the replay minimiser takes
+    #: over. A count of steps, never a time, so the same seed shrinks the same way on any machine.
+    shrink_stop_at_step: int | None = None
     #: When set, a failure of any other property does not count (iterative deepening looks
     #: for a shorter failure of one property): the example is rejected instead.
     only_property: str | None = None
 
 
 class ShrinkBudgetSpent(BaseException):
-    """Raised through Hypothesis (which does not catch it) to end a shrink that has run
-    out of time; the runner then minimises the shortest failure by replay instead."""
+    """Raised through Hypothesis (which does not catch it) to end a shrink that has spent
+    its counted budget of steps; the runner then minimises the shortest failure by replay."""
 
 
 def coverage_op(action: Action) -> str:
@@ -216,11 +195,14 @@ class ShardMachine(RuleBasedStateMachine):
     @functools.lru_cache
     def _to_test_case(cls) -> type[unittest.TestCase]:  # type: ignore[override]
         """pytest's ``TestCase``: the same run as ``shardkit fuzz`` — Hypothesis, then
-        minimisation by replay, then the trace and regression test on disk."""
+        minimisation by replay, then the trace and regression test on disk. It runs under
+        the ``shardkit-ci`` profile unless a profile is loaded (``--hypothesis-profile``) or
+        ``settings`` is set on it (``MyMachine.TestCase.settings = settings(...)``)."""
         machine = cls
+        explicit: settings | None = None
 
         class ShardMachineTestCase(unittest.TestCase):
-            settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+            settings = explicit
 
             def runTest(self) -> None:
                 __tracebackhide__ = True
@@ -261,7 +243,7 @@ class ShardMachine(RuleBasedStateMachine):
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
-        if stats.shrink_deadline is not None and time.monotonic() > stats.shrink_deadline:
+        if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
             raise ShrinkBudgetSpent
         stats.steps += 1
         try:

@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 
+# Registers the shardkit-* profiles as pytest loads this plugin, before Hypothesis's own
+# plugin loads the profile --hypothesis-profile names.
+from . import _profiles
+
 __all__ = ["SessionOverrides", "session_overrides"]
 
 ENGINE_OPTION = "--shardkit-engine"
@@ -86,14 +90,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    """What the shardkit suites will run; it must not promise a profile or a seed the run
+    does not use. Suites that set ``TestCase.settings`` keep their own sizes."""
+    chosen, source = _profiles.suite_settings(None)
     seed = _overrides.seed
-    shown = (
-        f"--shardkit-seed {seed}"
-        if seed is not None
-        else "from the Hypothesis profile (derandomized under shardkit-ci)"
-    )
+    if seed is not None:
+        seeding = f"seed {seed} (--shardkit-seed)"
+    elif chosen.derandomize:
+        seeding = "derandomized: each suite's seed derives from its engine"
+    else:
+        seeding = "a fresh seed each run, printed with a failure"
+    sizes = f"{chosen.max_examples} examples × {chosen.stateful_step_count} steps"
     engine = _overrides.engine or "each suite's own"
-    return f"shardkit: seed {shown}; engine {engine}"
+    return f"shardkit: {seeding}; {source} ({sizes}) unless a suite sets its own; engine {engine}"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -9,21 +9,27 @@ reported failure's trace and regression test replace it.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import random
 import re
+import shlex
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
+from ._hypothesis_compat import fixed_local_constants
+from ._profiles import suite_settings, time_independent
 from ._version import __version__
 from .contract import Role
 from .driver import StepFailed
@@ -37,6 +43,7 @@ from .trace import DEFAULT_OUT, trace_document, write_atomically
 
 __all__ = [
     "DEFAULT_OUT",
+    "Budgets",
     "FuzzResult",
     "fuzz",
     "parse_seed",
@@ -46,15 +53,35 @@ __all__ = [
     "run_machine",
 ]
 
-DEFAULT_SHRINK_SECONDS = 10.0
 Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """How much work a run may spend, in counts, never in seconds: the same seed then
+    reports the same failure on an idle laptop and on a loaded CI machine.
+
+    ``chunk_examples``: a long run is a series of Hypothesis runs of at most this many
+    examples, each seeded from the run's seed, so memory stays flat however many
+    examples are asked for. ``shrink_steps``: steps Hypothesis's shrinker may run
+    after the first failure before the replay minimiser takes over.
+    ``minimize_replays``: replays the minimiser may make. ``deepening_examples``:
+    examples of each search for a shorter failure (iterative deepening).
+    """
+
+    chunk_examples: int = 200
+    shrink_steps: int = 30_000
+    minimize_replays: int = 5_000
+    deepening_examples: int = 200
 
 
 @dataclass
 class FuzzResult:
     target: str
     seed: int | None
+    #: Examples run until the first failure (that one included), or all of them.
     examples: int
+    #: Engine calls and fault injections of those examples.
     steps: int
     elapsed_s: float
     coverage: Counter[tuple[str, str]]
@@ -72,8 +99,16 @@ class FuzzResult:
     #: (examples run, seconds, its steps) when the first failing example was seen: the
     #: length a plain random walk would have reported, without any shrinking.
     first_failure: tuple[int, float, int] | None = None
-    #: Hypothesis's shrinking was cut short by the time budget (the replay minimiser finished the job).
+    #: Hypothesis's shrinking spent its budget of steps (the replay minimiser finished the job).
     shrink_cut: bool = False
+    #: Examples and steps Hypothesis ran while shrinking the failure.
+    shrink_examples: int = 0
+    shrink_steps: int = 0
+    #: Examples asked for (``--examples``): Hypothesis counts only the valid ones it generated
+    #: against it, so a run without a failure runs a few more, which it discards.
+    requested_examples: int | None = None
+    #: Why a trace or regression test could not be written (the failure is still reported).
+    write_error: str | None = None
 
     @property
     def blob(self) -> str | None:
@@ -82,25 +117,60 @@ class FuzzResult:
         return found.group(0) if found else None
 
 
+def machine_identity(machine: type[ShardMachine]) -> str:
+    """What makes two runs' failures comparable: the engine (a file target by its absolute
+    path), the machine and model classes, and the options that change what is generated.
+    Trace names and the example database's keys derive from it, so two engines never
+    share a file or replay each other's saved examples."""
+    target = machine.target.name
+    module_part, colon, attr = target.rpartition(":")
+    if colon and module_part.endswith(".py"):
+        target = f"{Path(module_part).resolve()}:{attr}"
+    options = machine.build_options
+    base = options.get("base", ShardMachine)
+    model = options.get("model", ReferenceModel)
+    reference = machine.reference.name if machine.reference is not None else None
+    parts = [
+        target,
+        f"role={machine.role or 'any'}",
+        f"faults={','.join(sorted(machine.fault_kinds))}",
+        f"twins={machine.use_twins}",
+        f"reference={reference}",
+        f"machine={getattr(base, '__module__', '?')}:{getattr(base, '__qualname__', base)}",
+        f"model={getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', model)}",
+    ]
+    return "\n".join(parts)
+
+
+def _digest(text: str, length: int = 8) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+
+
 class _Artefacts:
-    """Writes the trace and the regression test of the best failure seen so far."""
+    """Writes the trace and the regression test of the best failure seen so far.
+
+    File names carry the engine, the role asked for, the seed and a digest of the
+    machine's identity, so two engines or two configurations never share a name; a
+    file that already holds a *different* failure is never overwritten (a suffix is
+    added). A write that fails is remembered, not raised: the failure is still reported.
+    """
 
     def __init__(self, machine: type[ShardMachine], out: Path | None, seed: int | None) -> None:
         self.machine = machine
         self.out = out
         self.seed = seed
         self.shortest: int | None = None  # steps of the in-progress trace on disk
+        self.write_error: str | None = None
+        self._label = self._make_label()
+
+    def _make_label(self) -> str:
+        engine = _slug(short_name(self.machine.target.name)) or "engine"
+        run = f"seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
+        return f"{engine}-{self.machine.role or 'any'}-{run}-{_digest(machine_identity(self.machine))}"
 
     @property
     def label(self) -> str:
-        """Names the engine and the run, so traces of different engines never collide."""
-        engine = _slug(short_name(self.machine.target.name))
-        return f"{engine}-seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
-
-    def paths(self, failure: FailureReport) -> tuple[Path, Path]:
-        assert self.out is not None
-        stem = f"{self.label}-{_slug(failure.violation.property)}"
-        return self.out / f"{stem}.json", self.out / f"test_{stem.replace('-', '_')}.py"
+        return self._label
 
     def in_progress(self) -> Path:
         assert self.out is not None
@@ -110,18 +180,41 @@ class _Artefacts:
         """Keep the shortest failure seen so far on disk while the run goes on."""
         if self.out is None or (self.shortest is not None and self.shortest <= len(failure.records)):
             return
-        write_atomically(self.in_progress(), self._document(failure))
+        try:
+            write_atomically(self.in_progress(), self._document(failure))
+        except OSError as error:
+            self.write_error = f"could not write {self.in_progress()}: {error.strerror or error}"
+            return
         self.shortest = len(failure.records)
 
     def final(self, failure: FailureReport) -> tuple[Path, Path] | None:
-        """Write the reported failure's trace and regression test; drop the in-progress file."""
+        """Write the reported failure's trace and regression test; drop the in-progress file
+        once they are safely on disk. None when there is no folder or the write failed."""
         if self.out is None:
             return None
-        trace_path, test_path = self.paths(failure)
-        write_atomically(trace_path, self._document(failure))
-        write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        document = self._document(failure)
+        stem = f"{self.label}-{failure.load_request.role}-{_slug(failure.violation.property)}"
+        try:
+            trace_path = self._free_path(stem, document)
+            test_path = trace_path.with_name(f"test_{trace_path.stem.replace('-', '_')}.py")
+            write_atomically(trace_path, document)
+            write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        except OSError as error:
+            where = error.filename or self.out
+            self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
+            return None
         self.in_progress().unlink(missing_ok=True)
         return trace_path, test_path
+
+    def _free_path(self, stem: str, document: dict[str, Any]) -> Path:
+        """``stem.json``, unless that file holds another failure: then ``stem-2.json``, …"""
+        assert self.out is not None
+        for attempt in range(1, 10_000):
+            path = self.out / (f"{stem}.json" if attempt == 1 else f"{stem}-{attempt}.json")
+            if not path.exists() or _same_failure(path, document):
+                return path
+        message = f"{self.out} already holds 10 000 traces named {stem}-N.json; clear it out"
+        raise OSError(message)
 
     def _document(self, failure: FailureReport) -> dict[str, Any]:
         return trace_document(
@@ -135,6 +228,17 @@ class _Artefacts:
             reference=self.machine.reference.name if self.machine.reference is not None else None,
             isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
         )
+
+
+def _same_failure(path: Path, document: dict[str, Any]) -> bool:
+    """Whether the trace at ``path`` records the same steps and failure as ``document``."""
+    try:
+        existing = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    ours = json.loads(json.dumps(document, ensure_ascii=False))
+    keys = ("target", "load_request", "steps", "failure")
+    return isinstance(existing, dict) and all(existing.get(key) == ours.get(key) for key in keys)
 
 
 def parse_seed(text: str, option: str) -> int:
@@ -155,69 +259,131 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
+def chunk_seeds(seed: int, examples: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(seed, examples) of each bounded Hypothesis run of a long run. The first run uses
+    ``seed`` itself, so a run of at most ``chunk`` examples is one plain Hypothesis run;
+    later ones derive theirs from it, so the one printed seed still repeats everything."""
+    for index, first in enumerate(range(0, examples, chunk)):
+        count = min(chunk, examples - first)
+        if index == 0:
+            yield seed, count
+        else:
+            derived = hashlib.sha256(f"shardkit-chunk:{seed}:{index}".encode()).digest()
+            yield int.from_bytes(derived[:8], "little"), count
+
+
+class _EngineKeyedDatabase(ExampleDatabase):
+    """The user's example database, with every key prefixed by the machine's identity,
+    so an example saved while fuzzing one engine is never replayed against another."""
+
+    def __init__(self, inner: ExampleDatabase, identity: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.prefix = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).digest()[:16]
+
+    def __repr__(self) -> str:
+        return f"EngineKeyed({self.inner!r})"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(self.prefix + src, self.prefix + dest, value)
+
+
+def _run_settings(machine: type[ShardMachine], base: settings) -> settings:
+    """``base`` made independent of the clock, its database keyed to this machine."""
+    run_settings = time_independent(base)
+    if run_settings.database is not None and not isinstance(run_settings.database, _EngineKeyedDatabase):
+        run_settings = settings(run_settings, database=_EngineKeyedDatabase(run_settings.database, machine_identity(machine)))
+    return run_settings
+
+
 def run_machine(
     machine: type[ShardMachine],
     run_settings: settings,
     *,
-    seed: int | None,
+    seed: int,
     out: Path | None,
     minimize: bool = True,
     progress: Progress | None = None,
-    shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
+    budgets: Budgets = Budgets(),
 ) -> FuzzResult:
-    """Run Hypothesis on ``machine``; minimise a failure and write its artefacts under ``out``.
+    """Run Hypothesis on ``machine`` from ``seed``; minimise a failure and write its
+    artefacts under ``out``.
 
-    Hypothesis's shrinker gets ``shrink_seconds`` after the first failure (None: no
-    limit); it is slow on failures dozens of steps long, where replay is fast.
+    Every limit is counted (``budgets``): the run is a series of bounded Hypothesis runs
+    (flat memory), Hypothesis's shrinker gets ``budgets.shrink_steps`` steps after the
+    first failure (it is slow on failures dozens of steps long, where replay is fast),
+    and the minimiser a number of replays. Hypothesis's local-constants pool is held
+    fixed (``fixed_local_constants``) so the same seed draws the same examples whatever
+    else the process imported.
     """
     artefacts = _Artefacts(machine, out, seed)
     stats = machine.stats
+    run_settings = _run_settings(machine, run_settings)
     started = time.perf_counter()
     first_failure: list[tuple[int, float, int]] = []
+    before_shrinking = (0, 0)
 
     def on_failure(failure: FailureReport) -> None:
+        nonlocal before_shrinking
         if not first_failure:
             first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
-            if shrink_seconds is not None:
-                stats.shrink_deadline = time.monotonic() + shrink_seconds
+            before_shrinking = (stats.examples, stats.steps)
+            stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
         artefacts.offer(failure)
 
     stats.on_failure = on_failure
     stats.on_example = progress
     captured = io.StringIO()
     interrupted = shrink_cut = False
-    test = hypothesis_seed(seed)(machine) if seed is not None else machine
     try:
-        with with_reporter(lambda text: print(text, file=captured)):
-            run_state_machine_as_test(test, settings=run_settings)
+        with fixed_local_constants(), with_reporter(lambda text: print(text, file=captured)):
+            for chunk_seed, chunk_examples in chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples):
+                test = hypothesis_seed(chunk_seed)(machine)
+                chunk_settings = settings(run_settings, max_examples=chunk_examples, derandomize=False)
+                try:
+                    run_state_machine_as_test(test, settings=chunk_settings)
+                except ShrinkBudgetSpent:
+                    # Hypothesis's shrinker spent its steps; minimise the shortest failure by replay.
+                    stats.failure = stats.shortest
+                    shrink_cut = True
+                if stats.failure is not None:
+                    break
     except KeyboardInterrupt:
         if stats.failure is None:
             raise
-        interrupted = True
-    except ShrinkBudgetSpent:
-        # Hypothesis's shrinker ran out of time; minimise the shortest failure by replay.
+        # Keep the shortest failure seen, not the attempt the interrupt happened to stop.
         stats.failure = stats.shortest
-        shrink_cut = True
+        interrupted = True
     except BaseException as error:
         if stats.failure is None:
             raise
         captured.write("".join(getattr(error, "__notes__", [])))
     finally:
         stats.on_failure = stats.on_example = None
-        stats.shrink_deadline = None
+        stats.shrink_stop_at_step = None
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
         try:
-            minimized = minimize_failure(machine, stats.failure)
-            minimized = _deepen(machine, run_settings, seed, minimized, shrink_seconds)
+            minimized = minimize_failure(machine, stats.failure, max_replays=budgets.minimize_replays)
+            minimized = _deepen(machine, run_settings, seed, minimized, budgets)
         except KeyboardInterrupt:
             interrupted = minimized is None
     failure = minimized.report if minimized is not None else stats.failure
+    examples, steps = before_shrinking if first_failure else (stats.examples, stats.steps)
     result = FuzzResult(
         target=machine.target.name,
         seed=seed,
-        examples=stats.examples,
-        steps=stats.steps,
+        examples=examples,
+        steps=steps,
         elapsed_s=time.perf_counter() - started,
         coverage=stats.coverage,
         failure=failure,
@@ -228,33 +394,34 @@ def run_machine(
         interrupted=interrupted,
         first_failure=first_failure[0] if first_failure else None,
         shrink_cut=shrink_cut,
+        shrink_examples=stats.examples - examples,
+        shrink_steps=stats.steps - steps,
+        requested_examples=run_settings.max_examples,
     )
     if failure is not None:
         written = artefacts.final(failure)
         if written is not None:
             result.trace_path, result.regression_path = written
+    result.write_error = artefacts.write_error
     return result
-
-
-DEEPENING_EXAMPLES = 200
 
 
 def _deepen(
     machine: type[ShardMachine],
     run_settings: settings,
-    seed: int | None,
+    seed: int,
     minimized: MinimizedFailure,
-    shrink_seconds: float | None,
+    budgets: Budgets,
 ) -> MinimizedFailure:
     """Iterative deepening (SHRINKING.md): search again with fewer steps than the failure
     has, for the same property; a shorter one found is minimised and replaces it. This
     escapes minima that deleting steps cannot leave (a fault-based route to a bug that a
     plainer route reaches in fewer steps)."""
     while len(minimized.report.records) > 1:
-        shorter = _search_shorter(machine, run_settings, seed, minimized.report, shrink_seconds)
+        shorter = _search_shorter(machine, run_settings, seed, minimized.report, budgets)
         if shorter is None:
             break
-        again = minimize_failure(machine, shorter)
+        again = minimize_failure(machine, shorter, max_replays=budgets.minimize_replays)
         if len(again.report.records) >= len(minimized.report.records):
             break
         minimized = again
@@ -264,30 +431,30 @@ def _deepen(
 def _search_shorter(
     machine: type[ShardMachine],
     run_settings: settings,
-    seed: int | None,
+    seed: int,
     failure: FailureReport,
-    shrink_seconds: float | None,
+    budgets: Budgets,
 ) -> FailureReport | None:
     limit = len(failure.records) - 1
     stats = RunStats(only_property=failure.violation.property)
     probe = type(f"{machine.__name__}Shorter", (machine,), {"stats": stats})
 
-    def start_shrink_clock(found: FailureReport) -> None:
-        if stats.shrink_deadline is None and shrink_seconds is not None:
-            stats.shrink_deadline = time.monotonic() + shrink_seconds
+    def start_shrink_budget(found: FailureReport) -> None:
+        if stats.shrink_stop_at_step is None:
+            stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
 
-    stats.on_failure = start_shrink_clock
+    stats.on_failure = start_shrink_budget
     probe_settings = settings(
         run_settings,
         stateful_step_count=limit,
-        max_examples=DEEPENING_EXAMPLES,
+        max_examples=budgets.deepening_examples,
         phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
+        database=None,
+        derandomize=False,
     )
-    test = hypothesis_seed(seed)(probe) if seed is not None else probe
     try:
-        with with_reporter(lambda text: None):
-            run_state_machine_as_test(test, settings=probe_settings)
+        with fixed_local_constants(), with_reporter(lambda text: None):
+            run_state_machine_as_test(hypothesis_seed(seed)(probe), settings=probe_settings)
     except (ShrinkBudgetSpent, StepFailed):
         pass  # a failure of the property ended the search; stats.shortest holds the shortest
     found = stats.shortest
@@ -312,6 +479,7 @@ def fuzz(
     isolate: bool | IsolationOptions = False,
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
+    budgets: Budgets = Budgets(),
 ) -> FuzzResult:
     """Fuzz ``target`` reproducibly from ``seed``; on a failure, minimise it further
     by replay (unless ``minimize`` is False) and write its trace and regression
@@ -336,23 +504,21 @@ def fuzz(
     run_settings = settings(
         max_examples=examples,
         stateful_step_count=steps,
-        deadline=None,
         database=None,
         derandomize=False,
-        print_blob=True,
-        report_multiple_bugs=False,
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     try:
-        result = run_machine(machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress)
+        result = run_machine(
+            machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress, budgets=budgets
+        )
     finally:
         if started_workers:
             assert isolation is not None
             isolation.close()
     result.rerun_command = _fuzz_command(machine.target.name, seed, examples, steps, role, faults, twins)
     if machine.reference is not None:
-        result.rerun_command += f" --reference {machine.reference.name}"
+        result.rerun_command += f" --reference {shlex.quote(machine.reference.name)}"
     if isolation is not None:
         result.rerun_command += " " + " ".join(isolation.options.command_options())
     elif step_timeout is not None:
@@ -363,7 +529,7 @@ def fuzz(
 def _fuzz_command(
     target: str, seed: int, examples: int, steps: int, role: str | None, faults: object, twins: bool
 ) -> str:
-    parts = ["shardkit", "fuzz", target, "--seed", str(seed)]
+    parts = ["shardkit", "fuzz", shlex.quote(target), "--seed", str(seed)]
     if role not in (None, "any"):
         parts += ["--role", str(role)]
     if examples != 200:
@@ -378,9 +544,22 @@ def _fuzz_command(
     return " ".join(parts)
 
 
-def run_as_test(machine: type[ShardMachine], run_settings: settings) -> None:
+def suite_seed(machine: type[ShardMachine], derandomized: bool) -> int:
+    """The seed of a pytest run that names none: derived from the machine's identity when
+    the profile is derandomized (every run repeats the same examples), else a fresh one,
+    which a failure prints."""
+    if derandomized:
+        return int.from_bytes(hashlib.sha256(machine_identity(machine).encode()).digest()[:4], "little")
+    return random.SystemRandom().randrange(2**32)
+
+
+def run_as_test(machine: type[ShardMachine], explicit_settings: settings | None) -> None:
     """What a machine's ``TestCase`` runs under pytest: the same run as ``shardkit fuzz``,
-    raising ``AssertionError`` with the minimal failure and how to rerun it."""
+    raising ``AssertionError`` with the minimal failure and how to rerun it.
+
+    With ``--shardkit-seed N`` the run is exactly ``shardkit fuzz … --seed N`` (same
+    settings, no example database); otherwise it runs under the suite's settings or profile
+    (``_profiles.suite_settings``) with a seed derived as ``suite_seed`` says."""
     from .pytest_plugin import session_overrides
     from .report import render_failure
 
@@ -389,15 +568,18 @@ def run_as_test(machine: type[ShardMachine], run_settings: settings) -> None:
     suite = machine
     if overrides.engine is not None:
         machine = machine_for(overrides.engine, **machine.build_options)
+    run_settings, _ = suite_settings(explicit_settings)
     if overrides.seed is not None:
-        run_settings = settings(run_settings, derandomize=False)
-    result = run_machine(machine, run_settings, seed=overrides.seed, out=overrides.out or DEFAULT_OUT)
+        seed = overrides.seed
+        run_settings = settings(run_settings, database=None, derandomize=False)
+    else:
+        seed = suite_seed(machine, run_settings.derandomize)
+    result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
     if result.failure is not None:
-        engine = f" --shardkit-engine {overrides.engine}" if overrides.engine is not None else ""
-        if overrides.seed is not None:
-            result.rerun_command = f"pytest --shardkit-seed {overrides.seed}{engine}"
-        elif run_settings.derandomize:
-            result.rerun_command = f"pytest{engine}  (the profile is derandomized: every run repeats this one)"
+        engine = f" --shardkit-engine {shlex.quote(overrides.engine)}" if overrides.engine is not None else ""
+        result.rerun_command = f"pytest --shardkit-seed {seed}{engine}"
+        if overrides.seed is None and run_settings.derandomize:
+            result.rerun_command += "  (or plain pytest: the profile is derandomized)"
         message = render_failure(result)
         _RERUN_HINTS[suite] = message[message.index("reproduce:") :]
         raise AssertionError(message)
