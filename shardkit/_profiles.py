@@ -9,7 +9,7 @@ wall clock decide a result (``deadline``, the ``too_slow`` health check) are off
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 __all__ = ["CI_PROFILE", "DEFAULT_PROFILE", "PROFILES", "register_profiles", "time_independent"]
 
@@ -28,10 +28,13 @@ PROFILES: dict[str, tuple[int, int, bool]] = {
 def time_independent(base: settings) -> settings:
     """``base`` with everything that reads the wall clock or rejects a long example turned off:
     no deadline, and no health check (``too_slow`` times the engine; the size checks refuse
-    the long examples ``--steps`` asks for; the rest concern hand-written ``@given`` tests)."""
+    the long examples ``--steps`` asks for; the rest concern hand-written ``@given`` tests).
+    The explain phase is dropped too: it runs variants after shrinking, and the failure
+    reported must be the one the shrinker ended on."""
     return settings(
         base,
         deadline=None,
+        phases=[phase for phase in base.phases if phase is not Phase.explain],
         suppress_health_check=list(HealthCheck),
         print_blob=True,
         report_multiple_bugs=False,

@@ -501,13 +501,9 @@ def fuzz(
     started_workers = isolation is not None and not (
         isinstance(target, ResolvedTarget) and target.isolation is isolation
     )
-    run_settings = settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        database=None,
-        derandomize=False,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-    )
+    # Hypothesis's defaults otherwise, exactly as a TestCase run with --shardkit-seed has them,
+    # so that both routes report the same failure from the same seed.
+    run_settings = settings(max_examples=examples, stateful_step_count=steps, database=None, derandomize=False)
     try:
         result = run_machine(
             machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress, budgets=budgets

@@ -25,7 +25,7 @@ from .contract import (
     EngineTensor,
     PrefillRequest,
 )
-from .model import StepRequest
+from .model import SessionState, StepRequest
 
 __all__ = [
     "BUNDLE_MALFORMATIONS",
@@ -34,6 +34,7 @@ __all__ = [
     "Action",
     "build_request",
     "malformations_for",
+    "step_note",
     "synthetic_bundle",
     "synthetic_rows",
 ]
@@ -81,6 +82,49 @@ def step_action(
 ) -> Action:
     args = {"session": session, "epoch": epoch, "step": step, "tokens": tokens, "malformed": malformed}
     return Action(op, args, note)
+
+
+def step_note(action: Action, session: SessionState | None) -> str:
+    """What is unusual about ``action`` for the session it meets ("stale epoch", "resent", …),
+    or "" for an ordinary step. Derived as the step runs, never when it was drawn, so a
+    shrunk or hand-edited sequence never carries the note of a situation that is gone.
+    Operations it does not know (faults, probes, a backend's own) keep their note."""
+    args = action.args
+    if action.op == "cancel":
+        epoch = int(args["epoch"])
+        if args["session"] == "":
+            return "empty session id"
+        if session is None:
+            return "unknown session"
+        return "stale epoch" if epoch < session.epoch else "epoch ahead" if epoch > session.epoch else ""
+    if action.op not in STEP_OPS:
+        return action.note
+    if args.get("malformed") is not None:
+        return ""  # the malformation is shown among the arguments
+    epoch, step = int(args["epoch"]), int(args["step"])
+    opens = action.op == "prefill" and step == 0
+    if session is None:
+        return ("opens at a higher epoch" if epoch > 0 else "") if opens else "unknown session"
+    if epoch < session.epoch:
+        return "stale epoch"
+    if epoch > session.epoch:
+        return "epoch bump" if opens else "epoch ahead"
+    if session.cancelled:
+        return "cancelled session"
+    if step == session.next_step:
+        return ""
+    last = session.last_request
+    if step == session.next_step - 1 and last is not None and _same_input(action, last):
+        return "resent"
+    return "out of order"
+
+
+def _same_input(action: Action, last: StepRequest) -> bool:
+    """Whether ``action`` repeats ``last`` (the kit builds a bundle's rows from its sideband)."""
+    if (action.op == "prefill") != isinstance(last, PrefillRequest):
+        return False
+    sent = last.token_ids if last.token_ids is not None else last.bundle.token_id_sideband if last.bundle else None
+    return sent == tuple(action.args["tokens"])
 
 
 def synthetic_rows(caps: EngineCapabilities, tokens: tuple[int, ...]) -> np.ndarray[Any, Any]:

@@ -1,0 +1,176 @@
+"""Nothing found is lost or overwritten, and the pytest route runs what it says.
+
+Trace names per engine, role and seed; a different failure never replaces another; Ctrl-C
+keeps the shortest failure; the example database never replays one engine's failure as
+another's; a TestCase runs under the documented profile; long runs keep memory flat.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis.database import InMemoryExampleDatabase
+
+from shardkit import FakeShardEngine, machine_for, runner
+from shardkit.runner import Budgets, chunk_seeds, fuzz, run_machine
+
+BUGGY_ENGINE = """
+from tests.planted import CancelLeaksKvTokens as make_engine
+"""
+CORRECT_ENGINE = """
+from shardkit import FakeShardEngine as make_engine
+"""
+
+
+def _write_engine(folder: Path, name: str, source: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def test_two_files_with_the_same_factory_name_write_two_traces(tmp_path: Path) -> None:
+    """``bug3.py:make_engine`` and ``bug4.py:make_engine`` once wrote one file, the second replacing the first."""
+    first = _write_engine(tmp_path / "one", "engine.py", BUGGY_ENGINE)
+    second = _write_engine(tmp_path / "two", "engine.py", BUGGY_ENGINE)
+    out = tmp_path / "out"
+    for path in (first, second):
+        result = fuzz(f"{path}:make_engine", seed=3, examples=50, steps=30, role="full", out=out)
+        assert result.failure is not None
+    assert len(list(out.glob("make-engine-*.json"))) == 2
+
+
+def test_roles_get_their_own_trace(tmp_path: Path) -> None:
+    from .planted import ReleaseLeaksKvTokens
+
+    names = set()
+    for role in ("head", "tail"):
+        result = fuzz(ReleaseLeaksKvTokens, seed=3, examples=100, steps=30, role=role, out=tmp_path)
+        assert result.trace_path is not None
+        names.add(result.trace_path.name)
+    assert len(names) == 2
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_different_failure_under_the_same_name_is_kept_beside_it(tmp_path: Path) -> None:
+    from .planted import ReleaseLeaksKvTokens
+
+    result = fuzz(ReleaseLeaksKvTokens, seed=3, examples=100, steps=30, role="full", out=tmp_path)
+    assert result.trace_path is not None
+    original = json.loads(result.trace_path.read_text())
+    original["steps"][0]["args"]["session"] = "someone-else"  # another failure under this name
+    result.trace_path.write_text(json.dumps(original))
+    again = fuzz(ReleaseLeaksKvTokens, seed=3, examples=100, steps=30, role="full", out=tmp_path)
+    assert again.trace_path is not None
+    assert again.trace_path != result.trace_path
+    assert again.trace_path.name == result.trace_path.stem + "-2.json"
+    assert json.loads(result.trace_path.read_text()) == original
+    # The same failure found a third time is the file it already is, not a third copy.
+    third = fuzz(ReleaseLeaksKvTokens, seed=3, examples=100, steps=30, role="full", out=tmp_path)
+    assert third.trace_path == again.trace_path
+
+
+def test_ctrl_c_while_shrinking_keeps_the_shortest_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt once wrote the most recent failing example (49 steps) over the shortest (42)."""
+    from .planted import CancelLeaksKvTokens
+
+    machine = machine_for(CancelLeaksKvTokens, role="full")
+    seen: list[Any] = []
+    real_offer = runner._Artefacts.offer
+
+    def offer_then_interrupt(self: Any, failure: Any) -> None:
+        seen.append(failure)
+        real_offer(self, failure)
+        if len(failure.records) > min(len(earlier.records) for earlier in seen):
+            raise KeyboardInterrupt  # while Hypothesis tries a longer candidate than its best
+
+    monkeypatch.setattr(runner._Artefacts, "offer", offer_then_interrupt)
+    result = run_machine(machine, settings(max_examples=200, database=None), seed=3, out=tmp_path)
+    lengths = [len(failure.records) for failure in seen]
+    assert lengths[-1] > min(lengths), "the interrupt must stop a longer attempt for this to test anything"
+    assert result.interrupted
+    assert result.failure is not None
+    assert len(result.failure.records) == min(lengths)
+    assert result.trace_path is not None
+    written = json.loads(result.trace_path.read_text())
+    assert len(written["steps"]) == min(lengths)
+    assert not list(tmp_path.glob("*-in-progress.json"))
+
+
+def test_a_saved_example_of_one_engine_is_never_replayed_against_another(tmp_path: Path) -> None:
+    """Two engines whose factories share a name, one example database: the correct engine's run
+    must not report the buggy engine's saved failure."""
+    buggy = _write_engine(tmp_path / "one", "engine.py", BUGGY_ENGINE)
+    correct = _write_engine(tmp_path / "two", "engine.py", CORRECT_ENGINE)
+    database = InMemoryExampleDatabase()
+    shared = settings(max_examples=60, stateful_step_count=30, database=database)
+    found = run_machine(machine_for(f"{buggy}:make_engine", role="full"), shared, seed=3, out=None)
+    assert found.failure is not None
+    assert database.data, "the failure was saved"
+    clean = run_machine(machine_for(f"{correct}:make_engine", role="full"), shared, seed=3, out=None)
+    assert clean.failure is None
+    replayed = run_machine(machine_for(f"{buggy}:make_engine", role="full"), shared, seed=4, out=None)
+    assert replayed.failure is not None
+    assert replayed.examples == 1, "the buggy engine's own saved example replays first"
+
+
+def test_a_long_run_is_a_series_of_bounded_runs_from_one_seed() -> None:
+    plan = list(chunk_seeds(7, 450, 200))
+    assert [count for _, count in plan] == [200, 200, 50]
+    assert plan[0][0] == 7
+    assert len({seed for seed, _ in plan}) == 3
+    assert plan == list(chunk_seeds(7, 450, 200))
+
+
+def test_chunked_runs_repeat_from_their_seed() -> None:
+    small = Budgets(chunk_examples=20)
+    first = fuzz(FakeShardEngine, seed=5, examples=70, steps=10, budgets=small)
+    second = fuzz(FakeShardEngine, seed=5, examples=70, steps=10, budgets=small)
+    assert first.failure is None
+    assert (first.examples, first.steps, first.coverage) == (second.examples, second.steps, second.coverage)
+    assert first.examples >= 70
+
+
+SUITE_WITHOUT_SETTINGS = """
+from shardkit import FakeShardEngine, ShardMachine, machine_for
+
+EXAMPLES = []
+
+
+class Counting(ShardMachine):
+    def teardown(self):
+        EXAMPLES.append(1)
+
+
+TestFake = machine_for(FakeShardEngine, role="full", faults="none", base=Counting).TestCase
+
+
+def test_the_suite_ran_the_profile_s_examples():
+    assert len(EXAMPLES) >= {examples}, len(EXAMPLES)
+"""
+
+
+@pytest.mark.parametrize(
+    ("arguments", "examples"),
+    [
+        ((), 200),  # shardkit-ci, as the header says
+        (("--hypothesis-profile", "shardkit-dev"), 50),  # a profile the user chose
+        (("--hypothesis-profile", "shardkit-ci"), 200),  # registered by the plugin: no conftest needed
+    ],
+)
+def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
+    pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch, arguments: tuple[str, ...], examples: int
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    pytester.makepyfile(test_suite=SUITE_WITHOUT_SETTINGS.format(examples=examples))
+    result = pytester.runpytest_subprocess(*arguments)
+    result.assert_outcomes(passed=2)
+    if "shardkit-dev" in arguments:
+        result.stdout.fnmatch_lines(["shardkit: a fresh seed each run*profile shardkit-dev (50 examples × 30 steps)*"])
+    else:
+        result.stdout.fnmatch_lines(["shardkit: derandomized*profile shardkit-ci (200 examples × 50 steps)*"])
