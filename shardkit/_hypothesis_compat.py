@@ -10,6 +10,11 @@ failures. While a shardkit run draws, the local pool is held empty; Hypothesis's
 global constants still apply, the same on every machine. Hypothesis has no public
 switch for this; if a release renames the internals, the hook does nothing and
 ``tests/test_determinism.py`` fails, which is the cue to update it here.
+
+Hypothesis also stops shrinking after five minutes of wall-clock time. A shardkit run
+bounds shrinking by a count of steps and examples instead (``runner.Budgets``), so
+within its runs that clock limit is lifted: which failure is reported never depends
+on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["fixed_local_constants", "local_constants_hook_available"]
+__all__ = ["deterministic_hypothesis", "local_constants_hook_available"]
 
 _lock = threading.Lock()
 _depth = 0
 _saved: Any = None
+_saved_seconds: Any = None
 
 
 def _providers() -> Any:
@@ -48,20 +54,34 @@ def _clear_cache(providers: Any) -> None:
         inner.clear()
 
 
+def _engine() -> Any:
+    try:
+        from hypothesis.internal.conjecture import engine
+    except ImportError:  # pragma: no cover
+        return None
+    return engine if isinstance(getattr(engine, "MAX_SHRINKING_SECONDS", None), int) else None
+
+
+#: Long enough never to end a shrink that shardkit's own counted budget bounds.
+_UNLIMITED_SECONDS = 10**9
+
+
 @contextmanager
-def fixed_local_constants() -> Iterator[None]:
-    """Within the block, Hypothesis draws no constant collected from local modules."""
-    global _depth, _saved
-    providers = _providers()
-    if providers is None:
-        yield
-        return
+def deterministic_hypothesis() -> Iterator[None]:
+    """Within the block, Hypothesis draws no constant collected from local modules and
+    does not stop shrinking on the clock. Re-entrant; restored on exit."""
+    global _depth, _saved, _saved_seconds
+    providers, engine = _providers(), _engine()
     with _lock:
         if _depth == 0:
-            _saved = providers._get_local_constants
-            empty = providers.Constants()
-            providers._get_local_constants = lambda: empty
-            _clear_cache(providers)
+            if providers is not None:
+                _saved = providers._get_local_constants
+                empty = providers.Constants()
+                providers._get_local_constants = lambda: empty
+                _clear_cache(providers)
+            if engine is not None:
+                _saved_seconds = engine.MAX_SHRINKING_SECONDS
+                engine.MAX_SHRINKING_SECONDS = _UNLIMITED_SECONDS
         _depth += 1
     try:
         yield
@@ -69,5 +89,8 @@ def fixed_local_constants() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                providers._get_local_constants = _saved
-                _clear_cache(providers)
+                if providers is not None:
+                    providers._get_local_constants = _saved
+                    _clear_cache(providers)
+                if engine is not None:
+                    engine.MAX_SHRINKING_SECONDS = _saved_seconds

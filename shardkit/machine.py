@@ -111,6 +111,8 @@ class RunStats:
     #: Once ``steps`` passes this count, stop Hypothesis's shrinking: the replay minimiser takes
     #: over. A count of steps, never a time, so the same seed shrinks the same way on any machine.
     shrink_stop_at_step: int | None = None
+    #: Likewise once ``examples`` passes this count (rules that make no step still cost examples).
+    shrink_stop_at_example: int | None = None
     #: When set, a failure of any other property does not count (iterative deepening looks
     #: for a shorter failure of one property): the example is rejected instead.
     only_property: str | None = None
@@ -235,6 +237,8 @@ class ShardMachine(RuleBasedStateMachine):
             custom_ops=self.custom_ops,
         )
         self.stats.examples += 1
+        if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
+            raise ShrinkBudgetSpent
         if self.stats.on_example is not None:
             self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
 

@@ -28,7 +28,7 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from ._hypothesis_compat import fixed_local_constants
+from ._hypothesis_compat import deterministic_hypothesis
 from ._profiles import suite_settings, time_independent
 from ._version import __version__
 from .contract import Role
@@ -71,6 +71,7 @@ class Budgets:
 
     chunk_examples: int = 200
     shrink_steps: int = 30_000
+    shrink_examples: int = 3_000
     minimize_replays: int = 5_000
     deepening_examples: int = 200
 
@@ -322,7 +323,7 @@ def run_machine(
     (flat memory), Hypothesis's shrinker gets ``budgets.shrink_steps`` steps after the
     first failure (it is slow on failures dozens of steps long, where replay is fast),
     and the minimiser a number of replays. Hypothesis's local-constants pool is held
-    fixed (``fixed_local_constants``) so the same seed draws the same examples whatever
+    fixed (``deterministic_hypothesis``) so the same seed draws the same examples whatever
     else the process imported.
     """
     artefacts = _Artefacts(machine, out, seed)
@@ -338,6 +339,7 @@ def run_machine(
             first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
             before_shrinking = (stats.examples, stats.steps)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
+            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
 
     stats.on_failure = on_failure
@@ -345,7 +347,7 @@ def run_machine(
     captured = io.StringIO()
     interrupted = shrink_cut = False
     try:
-        with fixed_local_constants(), with_reporter(lambda text: print(text, file=captured)):
+        with deterministic_hypothesis(), with_reporter(lambda text: print(text, file=captured)):
             for chunk_seed, chunk_examples in chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples):
                 test = hypothesis_seed(chunk_seed)(machine)
                 chunk_settings = settings(run_settings, max_examples=chunk_examples, derandomize=False)
@@ -369,7 +371,7 @@ def run_machine(
         captured.write("".join(getattr(error, "__notes__", [])))
     finally:
         stats.on_failure = stats.on_example = None
-        stats.shrink_stop_at_step = None
+        stats.shrink_stop_at_step = stats.shrink_stop_at_example = None
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
         try:
@@ -442,6 +444,7 @@ def _search_shorter(
     def start_shrink_budget(found: FailureReport) -> None:
         if stats.shrink_stop_at_step is None:
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
+            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
 
     stats.on_failure = start_shrink_budget
     probe_settings = settings(
@@ -453,7 +456,7 @@ def _search_shorter(
         derandomize=False,
     )
     try:
-        with fixed_local_constants(), with_reporter(lambda text: None):
+        with deterministic_hypothesis(), with_reporter(lambda text: None):
             run_state_machine_as_test(hypothesis_seed(seed)(probe), settings=probe_settings)
     except (ShrinkBudgetSpent, StepFailed):
         pass  # a failure of the property ended the search; stats.shortest holds the shortest

@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from shardkit._hypothesis_compat import fixed_local_constants, local_constants_hook_available
+from shardkit._hypothesis_compat import deterministic_hypothesis, local_constants_hook_available
 from shardkit.runner import Budgets, fuzz
 
 from .determinism_targets import SlowedCancelLeak
@@ -114,7 +114,7 @@ def _draws_with(extra_module: Path | None) -> list[int]:
             sys.path.remove(str(extra_module.parent))
     _WideDraws.drawn = []
     run = settings(max_examples=150, stateful_step_count=10, database=None, deadline=None)
-    with fixed_local_constants():
+    with deterministic_hypothesis():
         run_state_machine_as_test(_seeded(_WideDraws), settings=run)
     return list(_WideDraws.drawn)
 
@@ -173,3 +173,14 @@ def test_the_cli_and_a_pytest_run_report_the_same_failure_from_one_seed(
     assert [path.name for path in cli_traces] == [path.name for path in suite_traces]
     assert len(cli_traces) == 1
     assert json.loads(cli_traces[0].read_text()) == json.loads(suite_traces[0].read_text())
+
+
+def test_hypothesis_does_not_stop_shrinking_on_the_clock_inside_a_shardkit_run() -> None:
+    """Hypothesis ends a shrink after five minutes of wall-clock time; shardkit's counted budget
+    bounds shrinking instead, so inside a run that limit is lifted, and restored after."""
+    from hypothesis.internal.conjecture import engine
+
+    before = engine.MAX_SHRINKING_SECONDS
+    with deterministic_hypothesis(), deterministic_hypothesis():
+        assert engine.MAX_SHRINKING_SECONDS >= 10**9
+    assert before == engine.MAX_SHRINKING_SECONDS
