@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+from pathlib import Path
 from typing import TextIO
 
 from .runner import FuzzResult
 
-__all__ = ["coverage_table", "print_summary", "render_failure"]
+__all__ = ["counts_line", "coverage_table", "print_summary", "render_failure"]
 
 
 def coverage_table(result: FuzzResult) -> str:
@@ -36,10 +39,16 @@ def render_failure(result: FuzzResult) -> str:
         state = "1-minimal" if result.minimized.one_minimal else "not proven 1-minimal (replay budget ran out)"
         lines.append(f"(Hypothesis shrank it to {before} steps, replay to {len(failure.records)}; {state})")
     lines.append("reproduce:")
-    if result.trace_path is not None:
-        lines.append(f"  this failure:    shardkit replay {result.trace_path}")
-    if result.regression_path is not None:
-        lines.append(f"  as a test:       pytest {result.regression_path}")
+    # Quoted for the shell, so that they run as printed from a folder whose name has a space.
+    blocker = _needs_python(result.trace_path) if result.trace_path is not None else None
+    if blocker is not None:
+        lines.append(f"  this failure:    cannot be replayed from the command line or as a generated test: {blocker}")
+        lines.append(f"                   (trace: {shlex.quote(str(result.trace_path))})")
+    else:
+        if result.trace_path is not None:
+            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}")
+        if result.regression_path is not None:
+            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}")
     if result.rerun_command:
         lines.append(f"  the whole run:   {result.rerun_command}")
     if result.blob is not None:
@@ -47,13 +56,42 @@ def render_failure(result: FuzzResult) -> str:
     return "\n".join(lines)
 
 
-def print_summary(result: FuzzResult, out: TextIO) -> None:
-    rate = result.steps / result.elapsed_s if result.elapsed_s > 0 else 0.0
-    print(
-        f"{result.examples} examples, {result.steps} steps in {result.elapsed_s:.1f}s ({rate:,.0f} steps/s); "
-        f"faults: {', '.join(sorted(result.faults)) or 'none'}",
-        file=out,
+def counts_line(result: FuzzResult) -> str:
+    """What was run, saying what each figure counts: examples until the failure and while
+    shrinking it, or, without a failure, the ones ``--examples`` counts and those Hypothesis
+    discarded; a step is one engine call or fault injection."""
+    total_steps = result.steps + result.shrink_steps
+    rate = total_steps / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    if result.failure is not None:
+        shrinking = (
+            f", then {result.shrink_examples} examples ({result.shrink_steps} steps) while shrinking it"
+            if result.shrink_examples
+            else ""
+        )
+        counted = f"{result.examples} examples ({result.steps} steps) until the first failure{shrinking}"
+    else:
+        requested = result.requested_examples
+        extra = result.examples - requested if requested is not None else 0
+        discarded = f" and {extra} that Hypothesis discarded as invalid" if extra > 0 else ""
+        counted = f"{result.examples} examples ({requested or result.examples} as --examples counts them{discarded}), {result.steps} steps"
+    return (
+        f"{counted}; {result.elapsed_s:.1f}s ({rate:,.0f} steps/s); "
+        f"faults: {', '.join(sorted(result.faults)) or 'none'}"
     )
+
+
+def _needs_python(trace_path: Path) -> str | None:
+    """Why the trace replays only from Python (its extended machine or model cannot be imported by name)."""
+    try:
+        document = json.loads(trace_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    reason = document.get("needs_python") if isinstance(document, dict) else None
+    return reason if isinstance(reason, str) else None
+
+
+def print_summary(result: FuzzResult, out: TextIO) -> None:
+    print(counts_line(result), file=out)
     print("coverage (operation → outcome counts):", file=out)
     print(coverage_table(result), file=out)
     if result.failure is None:

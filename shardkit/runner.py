@@ -228,6 +228,7 @@ class _Artefacts:
             twins=self.machine.use_twins,
             reference=self.machine.reference.name if self.machine.reference is not None else None,
             isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
+            machine=self.machine,
         )
 
 

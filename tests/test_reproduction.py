@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 
 from shardkit import FakeShardEngine, TraceFormatError, replay
 from shardkit.cli import main
+from shardkit.errors import UntrustedTarget
 from shardkit.machine import machine_for
 from shardkit.minimize import replay_actions
 from shardkit.runner import FuzzResult, fuzz
@@ -282,10 +286,191 @@ def test_the_shortest_failure_is_on_disk_before_minimisation_and_ctrl_c_there_ke
     monkeypatch.setattr(runner, "minimize_failure", interrupted_while_minimising)
     machine = machine_for(FailedCallsNotCounted, role="full")
     result = runner.run_machine(machine, settings(max_examples=50, database=None), seed=1, out=tmp_path)
-    assert seen == [["failedcallsnotcounted-seed-1-in-progress.json"]]
+    assert len(seen) == 1, seen
+    [on_disk] = seen[0]
+    assert on_disk.startswith("failedcallsnotcounted-")
+    assert on_disk.endswith("-in-progress.json")
     assert result.interrupted
     assert result.trace_path is not None
-    assert sorted(path.name for path in tmp_path.iterdir()) == [
-        result.trace_path.name,
-        "test_failedcallsnotcounted_seed_1_2_metrics.py",
-    ]
+    assert result.regression_path is not None
+    assert result.regression_path.name.startswith("test_failedcallsnotcounted_")
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [result.trace_path.name, result.regression_path.name]
+    )
+
+
+# --- a trace replays from anywhere; a test that cannot build its engine is an error ---------------------
+
+LEAKY_ENGINE = """
+from dataclasses import replace
+
+from shardkit import FakeShardEngine
+
+
+class Leaky(FakeShardEngine):
+    \"\"\"Planted bug: release keeps counting the session's KV tokens.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.leaked = 0
+
+    def release(self, session_id):
+        before = super().metrics().kv_tokens
+        status = super().release(session_id)
+        self.leaked += before - super().metrics().kv_tokens
+        return status
+
+    def metrics(self):
+        metrics = super().metrics()
+        return replace(metrics, kv_tokens=metrics.kv_tokens + self.leaked)
+"""
+
+
+def _pytest_from(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``pytest ARGS`` as a user types it in ``folder``: the console script, no PYTHONPATH."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    command = [str(Path(sys.executable).with_name("pytest")), "-p", "no:cacheprovider", "-q", *args]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.fixture
+def file_target_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FuzzResult:
+    """``shardkit fuzz leaky.py:Leaky`` run from a project folder, its failure under ``out``."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "leaky.py").write_text(LEAKY_ENGINE)
+    monkeypatch.chdir(project)
+    result = fuzz("leaky.py:Leaky", seed=1, examples=200, steps=20, role="full", faults="none", out=Path("out"))
+    assert result.failure is not None
+    assert result.failure.violation.property == "§2 metrics"
+    monkeypatch.chdir(tmp_path)
+    return result
+
+
+def test_a_file_target_is_recorded_with_its_absolute_file(file_target_run: FuzzResult, tmp_path: Path) -> None:
+    document = json.loads((tmp_path / "project" / _trace(file_target_run)).read_text())
+    assert document["target"] == "leaky.py:Leaky"
+    assert document["target_file"] == str(tmp_path / "project" / "leaky.py")
+
+
+def test_a_file_target_replays_from_another_folder_when_the_user_trusts_it(
+    file_target_run: FuzzResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: "no file at 'leaky.py'" (exit 2). Now: refused as outside the project, and replayed with --trust."""
+    trace = (tmp_path / "project" / _trace(file_target_run)).resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(UntrustedTarget, match=r"the file .*project/leaky\.py, outside the current project"):
+        replay(trace)
+    assert replay(trace, trust=True).reproduced
+    assert main(["replay", str(trace)]) == 2
+    assert "--trust" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--trust"]) == 1
+    # From the project folder it needs no --trust.
+    monkeypatch.chdir(tmp_path / "project")
+    assert main(["replay", str(trace)]) == 1
+
+
+def test_a_file_targets_regression_test_fails_on_the_bug_from_another_folder(
+    file_target_run: FuzzResult, tmp_path: Path
+) -> None:
+    """Before: InvalidTarget, reported as a test failure ("the bug is still there") for the wrong reason."""
+    assert file_target_run.regression_path is not None
+    test_file = (tmp_path / "project" / file_target_run.regression_path).resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    on_bug = _pytest_from(elsewhere, str(test_file))
+    assert "1 failed" in on_bug.stdout, on_bug.stdout + on_bug.stderr
+    assert "§2 metrics" in on_bug.stdout or "kv_tokens" in on_bug.stdout
+    on_fake = _pytest_from(elsewhere, str(test_file), "--shardkit-engine", "shardkit:FakeShardEngine")
+    assert "1 passed" in on_fake.stdout, on_fake.stdout + on_fake.stderr
+
+
+def test_a_module_targets_regression_test_runs_from_another_folder_without_pythonpath(
+    planted_runs: PlantedRuns, tmp_path: Path
+) -> None:
+    """``tests.planted:…`` is found again through the sys.path entry the trace recorded."""
+    from .planted import ReleaseLeaksKvTokens
+
+    result = planted_runs[ReleaseLeaksKvTokens]
+    assert result.regression_path is not None
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(_trace(result), suite)
+    shutil.copy(result.regression_path, suite)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    outcome = _pytest_from(elsewhere, str(suite))
+    assert "1 failed" in outcome.stdout, outcome.stdout + outcome.stderr
+
+
+@pytest.mark.parametrize(
+    "broken",
+    ["the target names no engine", "the engine module is gone", "the named engine raises when built"],
+)
+def test_a_regression_test_whose_engine_cannot_be_built_is_an_error_not_a_failure(
+    broken: str, planted_runs: PlantedRuns, pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .planted import ReleaseLeaksKvTokens
+
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    result = planted_runs[ReleaseLeaksKvTokens]
+    assert result.regression_path is not None
+    document = json.loads(_trace(result).read_text())
+    extra: list[str] = []
+    if broken == "the target names no engine":
+        document["target"] = "tests.planted:NoSuchEngine"
+    elif broken == "the engine module is gone":
+        document["target"] = "a_module_that_was_deleted:make"
+        document["target_path"] = str(pytester.path / "gone")
+    else:
+        extra = ["--shardkit-engine", "tests.test_reproduction:ExplodingIfBuilt"]
+    (pytester.path / _trace(result).name).write_text(json.dumps(document))
+    shutil.copy(result.regression_path, pytester.path)
+    outcome = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
+    outcome.assert_outcomes(errors=1)
+    text = outcome.stdout.str()
+    assert "could not be built" in text
+    assert "this is not the bug reproducing" in text
+
+
+# --- printed commands work as printed ----------------------------------------------------------------
+
+
+def test_the_printed_commands_run_as_printed_from_a_folder_with_a_space(repo_root: Path, tmp_path: Path) -> None:
+    from shardkit.report import render_failure
+
+    from .planted import ReleaseLeaksKvTokens
+
+    out = tmp_path / "my failures" / "run 1"
+    result = fuzz(
+        f"tests.planted:{ReleaseLeaksKvTokens.__name__}", seed=3, examples=200, steps=50, role="full", out=out
+    )
+    text = render_failure(result)
+    commands = {
+        line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+        for line in text.splitlines()
+        if line.strip().startswith(("this failure:", "as a test:"))
+    }
+    replay_command, test_command = commands["this failure"], commands["as a test"]
+    assert replay_command.startswith("shardkit replay '")
+    assert test_command.startswith("pytest '")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("PYTHONPATH", None)
+    replayed = subprocess.run(
+        ["bash", "-c", replay_command], cwd=repo_root, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert result.failure is not None
+    assert result.failure.violation.message in replayed.stdout
+    tested = subprocess.run(
+        ["bash", "-c", f"{test_command} -p no:cacheprovider -q"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "1 failed" in tested.stdout, tested.stdout + tested.stderr

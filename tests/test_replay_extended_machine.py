@@ -1,0 +1,174 @@
+"""A failure found with a custom operation replays as printed: the trace records the extended machine.
+
+The extension example (stateful/test_extending_rules.py) adds ``rollback`` through a
+``ShardMachine`` subclass with ``custom_ops`` and a ``ReferenceModel`` subclass. Its
+planted bug, fuzzed to a trace, must reproduce under ``shardkit replay`` and under the
+generated regression test, which used to fail with "op 'rollback' … does not know".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardkit import TraceFormatError, machine_for, replay
+from shardkit.cli import main
+from shardkit.report import render_failure
+from shardkit.runner import FuzzResult, fuzz
+from shardkit.trace import trace_document
+from stateful.test_extending_rules import RollbackKeepsTokens, RollbackMachine, RollbackModel
+
+MODULE = "stateful.test_extending_rules"
+
+
+@pytest.fixture(scope="module")
+def rollback_run(tmp_path_factory: pytest.TempPathFactory) -> FuzzResult:
+    """The example's planted bug, found and shrunk to three steps ending in ``rollback``."""
+    result = fuzz(
+        RollbackKeepsTokens,
+        seed=3,
+        examples=200,
+        steps=50,
+        role="full",
+        model=RollbackModel,
+        base=RollbackMachine,
+        out=tmp_path_factory.mktemp("rollback"),
+    )
+    assert result.failure is not None
+    assert result.failure.records[-1].action.op == "rollback"
+    assert result.trace_path is not None
+    return result
+
+
+def _trace(result: FuzzResult) -> Path:
+    assert result.trace_path is not None
+    return result.trace_path
+
+
+def _pytest_from(folder: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    command = [str(Path(sys.executable).with_name("pytest")), "-p", "no:cacheprovider", "-q", *args]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_trace_names_the_machine_and_the_model(rollback_run: FuzzResult, repo_root: Path) -> None:
+    document = json.loads(_trace(rollback_run).read_text())
+    assert document["machine"] == f"{MODULE}:RollbackMachine"
+    assert document["model"] == f"{MODULE}:RollbackModel"
+    assert document["machine_path"] == str(repo_root)
+    assert "needs_python" not in document
+
+
+def test_shardkit_replay_rebuilds_the_machine_and_reproduces(
+    rollback_run: FuzzResult, repo_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(repo_root)
+    assert main(["replay", str(_trace(rollback_run))]) == 1
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith(f"replaying against {MODULE}:RollbackKeepsTokens (recorded in the trace")
+    assert f"machine {MODULE}:RollbackMachine (recorded in the trace" in first
+    assert f"model {MODULE}:RollbackModel (recorded in the trace" in first
+    assert rollback_run.failure is not None
+    assert rollback_run.failure.violation.message in out
+
+
+def test_replay_from_python_needs_no_custom_ops(rollback_run: FuzzResult) -> None:
+    assert replay(_trace(rollback_run)).reproduced
+
+
+def test_the_generated_regression_test_reproduces_from_another_folder(
+    rollback_run: FuzzResult, tmp_path: Path, repo_root: Path
+) -> None:
+    assert rollback_run.regression_path is not None
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(_trace(rollback_run), suite)
+    shutil.copy(rollback_run.regression_path, suite)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    on_bug = _pytest_from(elsewhere, str(suite))
+    assert "1 failed" in on_bug.stdout, on_bug.stdout + on_bug.stderr
+    fixed = _pytest_from(elsewhere, str(suite), "--shardkit-engine", f"{MODULE}:RollbackEngine", pythonpath=repo_root)
+    assert "1 passed" in fixed.stdout, fixed.stdout + fixed.stderr
+
+
+def test_a_machine_defined_in_a_function_is_said_not_to_replay_by_name(
+    rollback_run: FuzzResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No command that fails: the report says why, and how to replay it from Python."""
+
+    class LocalRollback(RollbackMachine):
+        pass
+
+    failure = rollback_run.failure
+    assert failure is not None
+    machine = machine_for(RollbackKeepsTokens, role="full", model=RollbackModel, base=LocalRollback)
+    document = trace_document(
+        target=machine.target.name,
+        load_request=failure.load_request,
+        faults=failure.faults,
+        records=failure.records,
+        violation=failure.violation,
+        seed=3,
+        machine=machine,
+    )
+    assert "machine" not in document
+    assert "LocalRollback" in document["needs_python"]
+    assert "replay it from Python with shardkit.replay(TRACE, custom_ops=..., model=...)" in document["needs_python"]
+    trace = tmp_path / "local.json"
+    trace.write_text(json.dumps(document))
+    shown = render_failure(dataclasses.replace(rollback_run, trace_path=trace, regression_path=tmp_path / "test_x.py"))
+    assert "cannot be replayed from the command line or as a generated test: its machine class" in shown
+    assert "shardkit replay" not in shown
+    assert "pytest " not in shown.split("reproduce:")[1]
+    assert main(["replay", str(trace)]) == 2
+    refusal = capsys.readouterr().err
+    assert "this trace replays only from Python: its machine class" in refusal
+    assert "LocalRollback" in refusal
+    with pytest.raises(TraceFormatError, match="LocalRollback"):
+        replay(trace)
+    assert replay(trace, custom_ops=RollbackMachine.custom_ops, model=RollbackModel).reproduced
+
+
+def test_a_model_that_is_a_lambda_is_said_not_to_replay_by_name(rollback_run: FuzzResult) -> None:
+    failure = rollback_run.failure
+    assert failure is not None
+    machine = machine_for(RollbackKeepsTokens, role="full", model=lambda: RollbackModel(), base=RollbackMachine)
+    document = trace_document(
+        target=machine.target.name,
+        load_request=failure.load_request,
+        faults=failure.faults,
+        records=failure.records,
+        violation=failure.violation,
+        seed=3,
+        machine=machine,
+    )
+    assert document["machine"] == f"{MODULE}:RollbackMachine"
+    assert "its reference model" in document["needs_python"]
+    assert "<lambda>" in document["needs_python"]
+
+
+def test_a_plain_machine_records_no_machine(rollback_run: FuzzResult) -> None:
+    failure = rollback_run.failure
+    assert failure is not None
+    machine = machine_for("shardkit:FakeShardEngine", role="full")
+    document = trace_document(
+        target=machine.target.name,
+        load_request=failure.load_request,
+        faults=failure.faults,
+        records=failure.records,
+        violation=failure.violation,
+        seed=3,
+        machine=machine,
+    )
+    assert not {"machine", "model", "needs_python"} & set(document)
