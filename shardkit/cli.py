@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import json
 import random
 import resource
+import shlex
 import signal
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -21,19 +25,15 @@ from typing import NoReturn
 # Imports stay light here: `shardkit serve --worker` starts through this module, once per
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
 from ._version import __version__
-from .contract import FAULT_KINDS, ROLES
-from .errors import ContractViolation, InvalidTarget, ShardkitError
-from .targets import DEFAULT_TARGET, ResolvedTarget, resolve_target
-from .trace import DEFAULT_OUT
+from .contract import FAULT_KINDS, ROLES, EngineError
+from .errors import ContractViolation, KitBug, ShardkitError, UsageError
+from .targets import DEFAULT_TARGET, EngineLost, ResolvedTarget, describe_exception, resolve_target
+from .trace import DEFAULT_OUT, write_atomically
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
-
-
-class UsageError(Exception):
-    """A mistake on the command line: one line on stderr, exit 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,7 +164,18 @@ def _parser() -> _Parser:
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
-    replay.add_argument("--engine", default=None, help="replay against this engine target instead of the recorded one")
+    replay.add_argument(
+        "--engine",
+        default=None,
+        metavar="TARGET",
+        help="replay against this engine target instead of the recorded one; its twins too (the recorded reference is not built)",
+    )
+    replay.add_argument(
+        "--trust",
+        action="store_true",
+        help="build the code the trace names even where it is not inside the current folder "
+        "(by default only shardkit's engines and code inside the project are built: a trace is data)",
+    )
     _isolation_options(replay, replaying=True)
 
     bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
@@ -173,7 +184,9 @@ def _parser() -> _Parser:
     bench.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
     bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
     bench.add_argument(
-        "--planted", default="tests.planted", help="module of planted-bug engines (tests.planted), or 'none'"
+        "--planted",
+        default="shardkit._planted",
+        help="module of planted-bug engines (the bundled shardkit._planted), or 'none'",
     )
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
@@ -200,24 +213,100 @@ def _parser() -> _Parser:
         metavar="MB",
         help="limit this process's memory (RLIMIT_DATA) to MB MiB",
     )
+    serve.add_argument(
+        "--max-engines",
+        type=_positive_int("--max-engines"),
+        default=None,
+        metavar="N",
+        help="engines kept alive at once; beyond N the least recently used is dropped (default 256)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return its exit code. Whatever escapes the library is reported
+    here, so no exit code lies: only a found (or reproduced) failure is 1, and only a run
+    that checked everything it was asked to is 0."""
     try:
+        # --help and --version end here with argparse's SystemExit(0), as they should.
         args = _parser().parse_args(argv)
-        handlers = {"fuzz": _fuzz, "replay": _replay, "bench": _bench, "contract": _contract, "serve": _serve}
-        handler = handlers[args.command]
-        return handler(args)
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except UsageError as error:
         print(error, file=sys.stderr)
         return EXIT_USAGE
-    except (InvalidTarget, ShardkitError, OSError) as error:
+    handlers = {"fuzz": _fuzz, "replay": _replay, "bench": _bench, "contract": _contract, "serve": _serve}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        print("shardkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return EXIT_USAGE
+    except KitBug as error:
+        print(_kit_bug_line(str(error)), file=sys.stderr)
+        return EXIT_USAGE
+    except EngineLost as lost:
+        print(f"shardkit: error: {_one_line(str(lost))}{_left_behind(args, lost)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ShardkitError, OSError) as error:
         print(f"shardkit: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except EngineError as error:
+        # An engine refusing with an exception where the kit expected a status (load, capabilities).
+        message = f"shardkit: error: the engine refused with EngineError {error.status.code.name}: {error.status.message}"
+        print(message, file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as error:
+        # Nothing should get here: the library turns what an engine raises into a finding or an
+        # input error. Keep the traceback for the bug report; the exit code still says "error".
+        traceback.print_exc(file=sys.stderr)
+        print(_kit_bug_line(f"unexpected {describe_exception(error)}"), file=sys.stderr)
+        return EXIT_USAGE
+    except BaseException as error:
+        # A SystemExit (or another BaseException) raised by the engine under test: never the kit's
+        # own exit, and never a pass, since nothing after it was checked.
+        message = (
+            f"shardkit: error: the engine under test raised {describe_exception(error)}, which ended the run "
+            "before anything more was checked (a SystemExit from an engine is never the kit's own exit)"
+        )
+        print(message, file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _kit_bug_line(what: str) -> str:
+    line = f"shardkit: internal error: {_one_line(what)}"
+    if "bug in shardkit" not in what:
+        line += "; this is a bug in shardkit: please report it with the command that ran"
+    return line
+
+
+def _one_line(text: str) -> str:
+    return " / ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _left_behind(args: argparse.Namespace, error: BaseException) -> str:
+    """What a run that ended early left on disk: the shortest failure found so far, if any."""
+    if args.command != "fuzz":
+        return ""
+    path = getattr(error, "in_progress_trace", None)
+    if path is None:
+        before: dict[Path, int] = getattr(args, "in_progress_before", {})
+        written = [path for path, stamp in _in_progress_traces(args.out).items() if before.get(path) != stamp]
+        path = sorted(written)[-1] if written else None
+    if path is None:
+        return f"; it left no in-progress trace in {args.out}"
+    return f"; the shortest failure found before is kept in {path} (shardkit replay {shlex.quote(str(path))})"
+
+
+def _in_progress_traces(out: Path) -> dict[Path, int]:
+    """The in-progress traces in ``out`` and their modification stamps (to tell this run's apart)."""
+    try:
+        return {path: path.stat().st_mtime_ns for path in out.glob("*in-progress*.json") if path.is_file()}
+    except OSError:
+        return {}
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -225,13 +314,15 @@ def _fuzz(args: argparse.Namespace) -> int:
     from .runner import fuzz, report_document
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    if args.report is not None and not args.report.parent.exists():
-        message = f"shardkit fuzz: --report {args.report}: the folder {args.report.parent} does not exist"
-        raise UsageError(message)
+    # Where the findings go is checked before the run: a failure found must never be lost.
+    _check_out_folder(args.out)
+    if args.report is not None:
+        _check_report_file(args.report)
     _check_isolation_options("fuzz", args, args.target)
     target = resolve_target(args.target)
     isolation = " --isolate" if args.isolate else ""
     print(f"shardkit fuzz {target.name} --seed {seed}{isolation}", flush=True)
+    args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
         result = fuzz(
@@ -253,10 +344,65 @@ def _fuzz(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.clear()
     print_summary(result, sys.stdout)
+    found = result.failure is not None
+    # A found failure is exit 1 whatever else goes wrong; what could not be written says so.
+    unwritten = getattr(result, "write_error", None)
+    if unwritten:
+        print(f"shardkit: {_one_line(str(unwritten))}", file=sys.stderr)
     if args.report is not None:
-        args.report.write_text(json.dumps(report_document(result), indent=2, ensure_ascii=False) + "\n")
+        try:
+            write_atomically(args.report, report_document(result))
+        except OSError as error:
+            print(f"shardkit: could not write --report {args.report}: {_reason(error)}", file=sys.stderr)
+            return EXIT_FAILURE if found else EXIT_USAGE
         print(f"report: {args.report}")
-    return EXIT_FAILURE if result.failure is not None else EXIT_OK
+    if unwritten and not found:
+        return EXIT_USAGE
+    return EXIT_FAILURE if found else EXIT_OK
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def _check_out_folder(out: Path) -> None:
+    """``--out`` must be a folder this process can write in, or one it can create."""
+    if out.exists():
+        if not out.is_dir():
+            message = f"shardkit fuzz: --out {out} is a file, not a folder; name a folder for the failure traces"
+            raise UsageError(message)
+        _check_writable(out, f"--out {out}: cannot write in it")
+        return
+    existing = next((parent for parent in out.parents if parent.exists()), Path("."))
+    if not existing.is_dir():
+        message = f"shardkit fuzz: --out {out} cannot be created: {existing} is a file, not a folder"
+        raise UsageError(message)
+    _check_writable(existing, f"--out {out}: cannot create it in {existing}")
+
+
+def _check_report_file(report: Path) -> None:
+    """``--report`` must name a file in an existing folder this process can write in."""
+    folder = report.parent
+    if report.is_dir():
+        message = f"shardkit fuzz: --report {report} is a folder; name a file, e.g. {report / 'report.json'}"
+        raise UsageError(message)
+    if not folder.exists():
+        message = f"shardkit fuzz: --report {report}: the folder {folder} does not exist"
+        raise UsageError(message)
+    if not folder.is_dir():
+        message = f"shardkit fuzz: --report {report}: {folder} is a file, not a folder"
+        raise UsageError(message)
+    _check_writable(folder, f"--report {report}: cannot write in {folder}")
+
+
+def _check_writable(folder: Path, problem: str) -> None:
+    """Create (and remove) a file in ``folder``: the only test permissions, mounts and root agree on."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
+            pass
+    except OSError as error:
+        message = f"shardkit fuzz: {problem} ({_reason(error)}); choose a folder you can write in"
+        raise UsageError(message) from None
 
 
 class _Progress:
@@ -284,7 +430,7 @@ class _Progress:
 
 def _replay(args: argparse.Namespace) -> int:
     from .isolation import IsolationOptions, target_with_options
-    from .replay import load_trace, replay
+    from .replay import read_trace, replay
 
     _check_isolation_options("replay", args, args.engine)
     engine: str | ResolvedTarget | None = args.engine
@@ -293,7 +439,7 @@ def _replay(args: argparse.Namespace) -> int:
         if args.step_timeout is not None:
             engine = target_with_options(args.engine, step_timeout=args.step_timeout)
     elif args.step_timeout is not None or args.worker_memory is not None:
-        recorded = load_trace(args.trace).isolation
+        recorded = read_trace(args.trace).isolation
         if args.isolate is False or (args.isolate is None and recorded is None):
             message = "shardkit replay: --step-timeout and --worker-memory set up a worker process; add --isolate (the trace ran in-process)"
             raise UsageError(message)
@@ -302,7 +448,9 @@ def _replay(args: argparse.Namespace) -> int:
             args.step_timeout if args.step_timeout is not None else defaults.step_timeout,
             args.worker_memory if args.worker_memory is not None else defaults.worker_memory_mb,
         )
-    result = replay(args.trace, target=engine, isolate=isolate)
+    result = replay(
+        args.trace, target=engine, isolate=isolate, trust=args.trust, announce=lambda line: print(line, flush=True)
+    )
     if result.failure is None:
         print(f"did not reproduce: all {len(result.records)} steps matched the model")
         return EXIT_OK
@@ -316,6 +464,16 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchSettings, render, run_bench
 
     planted = None if args.planted == "none" else args.planted
+    if planted is not None:
+        # Checked before minutes of measuring: a mistyped module is a usage error, not a skipped row.
+        try:
+            module = importlib.import_module(planted)
+        except ImportError as error:
+            message = f"shardkit bench: --planted {planted!r} cannot be imported ({error}); name a module with PLANTED, or 'none'"
+            raise UsageError(message) from None
+        if not isinstance(getattr(module, "PLANTED", None), tuple):
+            message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
+            raise UsageError(message)
     figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted))
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return EXIT_OK
@@ -338,12 +496,12 @@ def _contract(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .remote.server import parse_listen, serve
+        from .remote.server import is_loopback, parse_listen, serve
     except ImportError as error:
         message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise UsageError(message) from None
     try:
-        parse_listen(args.listen)
+        _, host = parse_listen(args.listen)
     except ValueError as error:
         raise UsageError(f"shardkit serve: {error}") from None
     if args.worker:
@@ -355,7 +513,14 @@ def _serve(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, sys.stderr, all_threads=True)
         watch_parent(sys.stdin.fileno())
     target = resolve_target(args.target)
-    server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker)
+    options = {} if args.max_engines is None else {"max_engines": args.max_engines}
+    server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
+    if host is not None and not is_loopback(host):
+        warning = (
+            f"shardkit serve: warning: {args.listen} is reachable from other machines and the service has no "
+            "authentication: anyone who can reach the port can run this engine; listen on 127.0.0.1 or a unix: socket"
+        )
+        print(warning, file=sys.stderr, flush=True)
     try:
         if args.worker_memory is not None:
             # After the server's own threads exist, before any engine: the limit is for the engines.

@@ -151,8 +151,11 @@ def loadable_roles(target: ResolvedTarget, total_layers: int) -> tuple[Role, ...
     roles: list[Role] = []
     for role in roles_for(total_layers):
         start, end = layer_range(role, total_layers, 0)
+        request = LoadRequest("shardkit-fuzz", start, end, total_layers)
+        engine = target()
         try:
-            loaded = target().load(LoadRequest("shardkit-fuzz", start, end, total_layers))
+            # An exception other than EngineError (or the worker dying) names the call: exit 2, one line.
+            loaded = target.guarded(f"load(layers {start}..{end} of {total_layers})", functools.partial(engine.load, request))
         except EngineError:
             continue
         if loaded.status.ok:
@@ -488,7 +491,7 @@ def _checked_options(
     """The engine's capabilities, the roles it loads and the fault kinds to inject;
     ``ShardkitError`` for options this engine cannot honour."""
     probe = target()
-    caps = probe.capabilities()
+    caps = target.guarded("capabilities()", probe.capabilities)
     loadable = loadable_roles(target, caps.total_layers)
     if role is not None and role not in loadable:
         message = f"{target.name} cannot serve a {role} shard (it serves: {', '.join(loadable) or 'nothing'})"

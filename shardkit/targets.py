@@ -5,22 +5,60 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from .contract import ShardEngine
+from .contract import EngineError, ShardEngine
 from .errors import InvalidTarget
 
 if TYPE_CHECKING:
     from .isolation import Isolation
 
-__all__ = ["DEFAULT_TARGET", "EngineFactory", "ResolvedTarget", "resolve_target"]
+__all__ = ["DEFAULT_TARGET", "EngineFactory", "EngineLost", "ResolvedTarget", "describe_exception", "resolve_target"]
 
 EngineFactory = Callable[[], ShardEngine]
 DEFAULT_TARGET = "shardkit:FakeShardEngine"
+T = TypeVar("T")
+
+
+class EngineLost(BaseException):
+    """The engine under test became unreachable for a reason that is not the engine's: the
+    ``shardkit serve`` process behind a ``grpc://``/``unix:`` target went away, or evicted it.
+
+    Not an ``Exception``: it passes through Hypothesis (which would shrink it into a flaky
+    failure) and through the driver (which would report it as the engine's failure), and ends
+    the run at once; the command reports it as an input error naming ``address``.
+    """
+
+    def __init__(self, message: str, *, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+def _passes_through(error: BaseException) -> bool:
+    """What a guard around the target's code must not turn into an error of the target:
+    Ctrl-C, and a run that is ending anyway because its server is lost."""
+    return isinstance(error, (KeyboardInterrupt, EngineLost))
+
+
+def describe_exception(error: BaseException) -> str:
+    """``TypeName: message`` with where it was raised, e.g. ``RuntimeError: boom (at x.py:3 in load)``;
+    a ``SystemExit`` or other ``BaseException`` by its repr, e.g. ``SystemExit(0)``."""
+    text = str(error)
+    if isinstance(error, Exception):
+        what = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    else:
+        what = repr(error)
+    # The innermost frame of the code that raised; not the kit's own call of a builtin (sys:exit).
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename != __file__]
+    if frames:
+        what += f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})"
+    return what
 
 
 @dataclass(frozen=True)
@@ -42,6 +80,15 @@ class ResolvedTarget:
         except Exception as error:
             message = f"engine target {self.name!r} raised {type(error).__name__} when called: {error}"
             raise InvalidTarget(message) from error
+        except BaseException as error:
+            if _passes_through(error):
+                raise
+            # A SystemExit (or GeneratorExit, …) from the target is never the kit's own exit.
+            message = (
+                f"engine target {self.name!r} raised {describe_exception(error)} when called; "
+                "it must return a fresh shardkit.ShardEngine (a SystemExit from the target does not end the kit)"
+            )
+            raise InvalidTarget(message) from error
         if not isinstance(engine, ShardEngine):
             message = (
                 f"engine target {self.name!r} returned {type(engine).__name__}, not a ShardEngine; "
@@ -49,6 +96,33 @@ class ResolvedTarget:
             )
             raise InvalidTarget(message)
         return engine
+
+    def guarded(self, what: str, call: Callable[[], T]) -> T:
+        """Run ``call``, one call of an engine of this target (``what``, e.g. ``"capabilities()"``)
+        made before any step, while the kit finds out what the engine serves.
+
+        ``EngineError`` passes (the contract lets ``load`` and ``capabilities`` refuse with it);
+        anything else the engine raises, or its worker process dying (isolated), is an
+        ``InvalidTarget`` naming the call and what happened.
+        """
+        try:
+            return call()
+        except EngineError:
+            raise
+        except BaseException as error:
+            if _passes_through(error):
+                raise
+            death = self.isolation.death(error) if self.isolation is not None else None
+            if death is not None:
+                message = f"engine target {self.name!r}: its worker process {death.summary} during {what}"
+                tail = death.quoted_tail()
+                message += f"; its output ended with:{tail}" if tail else " (it printed nothing)"
+            else:
+                message = (
+                    f"engine target {self.name!r}: {what} raised {describe_exception(error)}; "
+                    "contract v1 lets it raise only EngineError"
+                )
+            raise InvalidTarget(message) from error
 
 
 def short_name(target_name: str) -> str:
@@ -98,13 +172,44 @@ def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarg
 
 def _import_module(name: str, target: str) -> object:
     try:
-        return importlib.import_module(name)
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if not _from_current_folder(name, error):
+                raise
+            return importlib.import_module(name)
     except ImportError as error:
         message = f"engine target {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
         raise InvalidTarget(message) from error
     except Exception as error:
         message = f"engine target {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
+
+
+def _from_current_folder(name: str, error: ModuleNotFoundError) -> bool:
+    """Make ``name`` importable from the current folder, as ``python -m`` does, when its
+    package was found nowhere else: the ``shardkit`` console script, unlike ``python -m
+    shardkit``, does not put the current folder on ``sys.path``. True if it was added."""
+    missing = error.name or ""
+    if not missing or not (name == missing or name.startswith(f"{missing}.")):
+        return False  # the target's own imports failed, not the target
+    here = os.getcwd()
+    if any(entry in ("", ".") or _same_folder(entry, here) for entry in sys.path):
+        return False
+    top = missing.partition(".")[0]
+    if not (Path(here, top).is_dir() or Path(here, f"{top}.py").is_file()):
+        return False
+    # Last, so it shadows nothing that is installed; worker processes inherit it (PYTHONPATH).
+    sys.path.append(here)
+    importlib.invalidate_caches()
+    return True
+
+
+def _same_folder(entry: str, folder: str) -> bool:
+    try:
+        return os.path.samefile(entry, folder)
+    except OSError:
+        return False
 
 
 def _import_file(path_text: str, target: str) -> object:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -399,3 +401,134 @@ def test_bench_reports_each_planted_engine_of_a_module(capsys: pytest.CaptureFix
         assert row["random_walk_length"] >= row["shrunk_length"]
         assert row["examples_to_first_failure"] >= 1
     assert [row["caught_by_contract"] for row in rows] == [False, False]
+
+
+# --- nothing found is lost: --out and --report are checked before the run -----------------
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("file", "is a file, not a folder"),
+        ("under a file", "cannot be created: {file} is a file, not a folder"),
+        ("/proc", "cannot create it in /proc"),
+    ],
+)
+def test_an_out_folder_that_cannot_hold_traces_exits_2_before_fuzzing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str, expected: str
+) -> None:
+    """Tests run as root here, where chmod stops nothing: a regular file and /proc are what refuse."""
+    file = tmp_path / "somefile"
+    file.write_text("not a folder\n")
+    out = {"file": file, "under a file": file / "sub", "/proc": Path("/proc/shardkit-failures")}[where]
+    code, stdout, err = run(capsys, "fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", out)
+    line = assert_usage_error(code, stdout, err)
+    assert f"--out {out}" in line
+    assert expected.format(file=file) in line
+    assert stdout == ""  # refused before the run: nothing was fuzzed
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("a folder", "is a folder; name a file"),
+        ("in a file", "is a file, not a folder"),
+        ("in /proc", "cannot write in /proc"),
+    ],
+)
+def test_a_report_path_that_cannot_be_written_exits_2_before_fuzzing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str, expected: str
+) -> None:
+    file = tmp_path / "somefile"
+    file.write_text("not a folder\n")
+    report = {"a folder": tmp_path, "in a file": file / "report.json", "in /proc": Path("/proc/report.json")}[where]
+    code, out, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path / "out", "--report", report)
+    line = assert_usage_error(code, out, err)
+    assert f"--report {report}" in line
+    assert expected in line
+    assert out == ""
+
+
+def test_a_trace_that_cannot_be_written_after_a_failure_prints_the_failure_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--out passed the check, then the disk filled up: the failure and its steps still reach the terminal."""
+    import errno
+    import os
+
+    def disk_full(path: Path, document: object) -> Path:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("shardkit.runner.write_atomically", disk_full)
+    out_dir = tmp_path / "failures"
+    code, out, err = run(capsys, "fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", out_dir)
+    assert code == 1, (out, err)
+    assert "Traceback" not in out + err
+    assert "FAILURE (§2 metrics) in 2 steps:" in out
+    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 2: release(session='a')" in out
+    assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("shardkit: could not write ")
+    assert "No space left on device" in lines[0]
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+# --- the console script resolves module targets from the current folder, as python -m does ----------
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "shardkit"
+
+
+def console(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``shardkit`` console script in ``cwd``, without PYTHONPATH (as from a fresh clone)."""
+    if not CONSOLE_SCRIPT.is_file():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT} (shardkit is not installed in this environment)")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_the_console_script_finds_a_module_target_in_the_current_folder() -> None:
+    """`shardkit contract tests.planted:…` from the repository root needed PYTHONPATH=. before."""
+    run = console("contract", "tests.planted:StaleEpochAccepted", cwd=REPO_ROOT)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "a stale epoch is ABORTED" in run.stdout
+
+
+def test_a_module_target_found_nowhere_is_still_a_one_line_usage_error(tmp_path: Path) -> None:
+    run = console("contract", "tests.planted:StaleEpochAccepted", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    assert len(run.stderr.splitlines()) == 1
+    assert "cannot import 'tests.planted'" in run.stderr
+
+
+def test_an_isolated_run_and_its_printed_rerun_line_work_from_the_current_folder(tmp_path: Path) -> None:
+    """The worker process imports the target by name too: it must see the current folder."""
+    pytest.importorskip("grpc")
+    argv = ["fuzz", "tests.planted:ReleaseLeaksKvTokens", "--isolate", "--faults", "none", "--seed", "3"]
+    first = console(*argv, "--out", str(tmp_path / "first"), cwd=REPO_ROOT)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "FAILURE (§2 metrics) in 2 steps:" in first.stdout
+    rerun = next(line for line in first.stdout.splitlines() if line.startswith("  the whole run:"))
+    command = shlex.split(rerun.partition(":")[2])
+    assert command[:2] == ["shardkit", "fuzz"], rerun
+    again = console(*command[1:], "--out", str(tmp_path / "again"), cwd=REPO_ROOT)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "FAILURE (§2 metrics) in 2 steps:" in again.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [("shardkit_no_such_planted", "cannot be imported"), ("shardkit.errors", "has no PLANTED tuple")],
+)
+def test_bench_with_a_planted_module_that_cannot_serve_exits_2_before_measuring(
+    capsys: pytest.CaptureFixture[str], module: str, expected: str
+) -> None:
+    code, out, err = run(capsys, "bench", "--examples", "5", "--steps", "5", "--planted", module)
+    line = assert_usage_error(code, out, err)
+    assert f"--planted '{module}'" in line
+    assert expected in line
+    assert out == ""

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import replace
@@ -55,6 +54,7 @@ from shardkit.remote import (
     RemoteDeadlineExceeded,
     RemoteEngineCrashed,
     RemoteEngineError,
+    RemoteEngineEvicted,
     RemoteProtocolError,
     RemoteShardEngine,
     RemoteUnavailable,
@@ -64,7 +64,7 @@ from shardkit.remote import (
 )
 from shardkit.remote.server import ShardEngineServicer
 from shardkit.runner import FuzzResult, fuzz
-from shardkit.targets import resolve_target
+from shardkit.targets import EngineLost, resolve_target
 
 from .planted import DelegatingEngine
 
@@ -433,10 +433,12 @@ def test_a_server_that_goes_away_mid_run_is_a_clear_error(served: Callable[..., 
     assert time.perf_counter() - started < 3
 
 
-def test_a_server_that_goes_away_mid_fuzz_is_a_clear_error_not_a_hang(served: Callable[..., EngineServer]) -> None:
-    """Whether the kit notices in a step (a failure) or when it builds the next engine (an
-    exception out of fuzz), what it reports names RemoteUnavailable. Part 2 of issue 8
-    (isolation) turns both into ordinary shrunk failures."""
+def test_a_server_that_goes_away_mid_fuzz_ends_the_run_naming_it_not_the_engine(
+    served: Callable[..., EngineServer],
+) -> None:
+    """Whether the kit notices in a step or when it builds the next engine, a lost server
+    is not a finding about the engine (it used to be reported as one, or to end in
+    Hypothesis's FlakyStrategyDefinition): the run ends at once with EngineLost."""
     server = served()
     built = 0
 
@@ -449,16 +451,28 @@ def test_a_server_that_goes_away_mid_fuzz_is_a_clear_error_not_a_hang(served: Ca
 
     server.servicer.target = resolve_target(stopping)
     started = time.perf_counter()
-    try:
-        result = fuzz(server.url, seed=1, examples=20, steps=20, minimize=False)
-    except Exception as error:
-        reported = "".join(traceback.format_exception(error))
-    else:
-        assert result.failure is not None
-        reported = result.failure.violation.message
-    assert "RemoteUnavailable" in reported
-    assert "the engine server is unreachable" in reported
+    with pytest.raises(EngineLost, match=rf"the engine server at {re.escape(server.url)} went away during ") as lost:
+        fuzz(server.url, seed=1, examples=20, steps=20, minimize=False)
+    assert lost.value.address == server.url
+    assert isinstance(lost.value.__cause__, RemoteUnavailable)
     assert time.perf_counter() - started < 30
+
+
+def test_a_remote_engine_built_by_hand_still_raises_remote_unavailable(served: Callable[..., EngineServer]) -> None:
+    """EngineLost is for the kit's runs (remote_target); a RemoteShardEngine of one's own keeps its exceptions."""
+    server = served()
+    engine = RemoteShardEngine(server.url)
+    target = resolve_target(server.url)
+    kits = target()
+    server.stop(0)
+    with pytest.raises(RemoteUnavailable):
+        engine.health()
+    with pytest.raises(EngineLost, match=r"went away during health\(\)"):
+        kits.health()
+    with pytest.raises(EngineLost, match="went away during "):
+        target()  # it served an engine before: the server was lost
+    with pytest.raises(InvalidTarget, match="unreachable"):
+        resolve_target(server.url)()  # never reached: the address is wrong, an input error
 
 
 def test_a_call_on_a_closed_connection_is_a_clear_error(served: Callable[..., EngineServer]) -> None:
@@ -488,16 +502,20 @@ def test_a_call_that_misses_its_deadline_is_a_clear_error(served: Callable[..., 
 
 
 def test_an_engine_that_raises_is_a_crash_naming_the_exception(served: Callable[..., EngineServer]) -> None:
+    # One prefill/decode succeeds, the next raises, and the engine stays dead (DGR-032).
     server = served(lambda: FakeShardEngine(FakeShardEngineConfig(crash_after_calls=1)))
     engine = RemoteShardEngine(server.url)
     engine.load(FULL)
+    assert engine.prefill(PrefillRequest("ü", 0, 0, token_ids=(1,))).status.ok
     with pytest.raises(
         RemoteEngineCrashed,
-        match=r"cancel\(session='ü', epoch=0\): the engine raised shardkit\.engines\.fake\.FakeEngineCrash: FakeShardEngine process died",
+        match=r"decode\(session='ü', epoch=0, step=1, 1 token\(s\)\): the engine raised shardkit\.engines\.fake\.FakeEngineCrash: FakeShardEngine process died",
     ) as crash:
-        engine.cancel("ü", 0)
+        engine.decode(DecodeRequest("ü", 0, 1, token_ids=(2,)))
     assert crash.value.exception_type == "FakeEngineCrash"
-    assert "the process died in cancel() (call #1)" in str(crash.value)
+    assert "the process died in decode()" in str(crash.value)
+    with pytest.raises(RemoteEngineCrashed, match=r"cancel\(session='ü', epoch=0\): the engine raised"):
+        engine.cancel("ü", 0)
 
 
 def test_a_native_crash_fault_over_grpc_restarts_a_fresh_remote_engine(served: Callable[..., EngineServer]) -> None:
@@ -562,6 +580,7 @@ def test_shardkit_serve_serves_a_target_until_ctrl_c(tmp_path: Path) -> None:
         (["serve", "shardkit:FakeShardEngine", "--listen", "unix:"], "a unix socket needs a path"),
         (["serve", "no_such_module:Engine"], "cannot import 'no_such_module'"),
         (["serve"], "the following arguments are required: target"),
+        (["serve", "shardkit:FakeShardEngine", "--max-engines", "0"], "--max-engines must be a positive integer, got '0'"),
     ],
 )
 def test_serve_usage_errors_exit_2_with_one_line(
@@ -612,3 +631,89 @@ def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str)
     result = fuzz(worker, seed=2, examples=40, steps=30)
     assert result.failure is None, result.failure and result.failure.violation.message
     assert result.faults == frozenset({"delay", "malformed_output", "crash"})  # at the client's boundary
+
+
+# --- serve hardening: no authentication warned of, engines bounded, messages bounded ----------------
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.9.10", True), ("localhost", True), ("[::1]", True), ("::1", True),
+     ("0.0.0.0", False), ("::", False), ("[::]", False), ("10.0.0.5", False), ("myhost.example", False)],
+)
+def test_only_loopback_hosts_count_as_loopback(host: str, loopback: bool) -> None:
+    from shardkit.remote.server import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_serve_on_every_interface_warns_in_one_line_that_it_has_no_authentication() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    warnings = {}
+    for listen in ("0.0.0.0:0", "127.0.0.1:0"):
+        process, line = _start([sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", listen], env)
+        assert line.startswith("serving shardkit:FakeShardEngine on grpc://")
+        stderr = _stop(process)
+        warnings[listen] = [text for text in stderr.splitlines() if "warning" in text]
+    assert warnings["127.0.0.1:0"] == []
+    (warning,) = warnings["0.0.0.0:0"]
+    assert warning.startswith("shardkit serve: warning: 0.0.0.0:0 is reachable from other machines")
+    assert "no authentication" in warning
+    assert "anyone who can reach the port can run this engine" in warning
+
+
+def test_a_server_keeps_at_most_max_engines_and_names_an_evicted_one(served: Callable[..., EngineServer]) -> None:
+    server = served(max_engines=3)
+    engines = [RemoteShardEngine(server.url) for _ in range(3)]
+    engines[0].health()  # engine 1 is now the most recently used; engine 2 the least
+    newest = RemoteShardEngine(server.url)
+    assert server.servicer.engine_count == 3
+    with pytest.raises(RemoteEngineEvicted, match=r"engine \d+ was evicted: this server keeps at most 3 engines") as evicted:
+        engines[1].health()
+    assert evicted.value.code == "FAILED_PRECONDITION"
+    assert "--max-engines" in str(evicted.value)
+    for engine in (engines[0], engines[2], newest):
+        assert engine.health().status.ok
+    with pytest.raises(RemoteEngineError, match="NOT_FOUND"):
+        RemoteShardEngine(server.url)._connection.call("health()", "Health", pb.EngineRef(engine_id=10**6), 5.0)
+
+
+def test_an_evicted_engine_ends_a_kit_run_as_a_lost_engine_not_a_finding(served: Callable[..., EngineServer]) -> None:
+    server = served(max_engines=1)
+    target = resolve_target(server.url)
+    engine = target()
+    target()  # evicts the first
+    with pytest.raises(EngineLost, match=f"the engine server at {re.escape(server.url)} evicted the engine under test"):
+        engine.health()
+
+
+def test_engines_a_client_never_closes_are_reclaimed() -> None:
+    """Each NewEngine without CloseEngine used to stay on the server for good (20 000 grew it by 17 MB)."""
+    servicer = ShardEngineServicer(resolve_target("shardkit:FakeShardEngine"), max_engines=16)
+
+    class Context:
+        def set_trailing_metadata(self, metadata: object) -> None:
+            pass
+
+        def abort(self, code: object, details: str) -> None:
+            raise AssertionError(details)
+
+    for _ in range(2_000):
+        servicer.NewEngine(pb.NewEngineRequest(), Context())
+    assert servicer.engine_count == 16
+    assert servicer.evictions == 2_000 - 16
+    assert len(servicer._evicted) <= 4096
+
+
+def test_messages_are_limited_on_both_ends_and_an_oversized_one_is_named(served: Callable[..., EngineServer]) -> None:
+    assert ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES) in codec.GRPC_OPTIONS
+    assert ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES) in codec.GRPC_OPTIONS
+    assert 0 < codec.MAX_MESSAGE_BYTES < 2**31
+    server = served(max_message_bytes=2**20)
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    oversized = PrefillRequest("a", 0, 0, token_ids=(300,) * 600_000)  # about 1.2 MB on the wire
+    with pytest.raises(RemoteEngineError, match=r"prefill\(.*\): a message exceeded the size limit of one end") as refused:
+        engine.prefill(oversized)
+    assert refused.value.code == "RESOURCE_EXHAUSTED"
+    assert engine.health().status.ok  # the server is still there

@@ -144,13 +144,16 @@ class LlamaCppShardEngine(SessionEngine[_Sequence]):
         self._free_sequences: list[int] = []
 
     def __del__(self) -> None:
+        batch, context, model = (getattr(self, name, None) for name in ("_batch", "_context", "_model"))
+        if batch is None and not context and not model:
+            return  # __init__ stopped before llama.cpp held anything (e.g. without the llama extra)
         llama = _llama()
-        if getattr(self, "_batch", None) is not None:
-            llama.llama_batch_free(self._batch)
-        if getattr(self, "_context", None):
-            llama.llama_free(self._context)
-        if getattr(self, "_model", None):
-            llama.llama_model_free(self._model)
+        if batch is not None:
+            llama.llama_batch_free(batch)
+        if context:
+            llama.llama_free(context)
+        if model:
+            llama.llama_model_free(model)
 
     def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         if role != "full":

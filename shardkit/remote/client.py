@@ -14,6 +14,10 @@ naming the address and the operation, never a hang:
 - ``RemoteProtocolError`` — another protocol version, a missing RPC, or an answer
   that does not decode to a SPEC §1 value.
 
+For the kit (engines built by ``remote_target``), losing the server is not a finding about
+the engine: a call that finds the server gone, or the engine evicted by it, raises
+``EngineLost`` instead, which ends the run at once with an error naming the address.
+
 Connections are shared per address (one channel, one handshake). An engine that is
 closed, or garbage-collected, is dropped on the server: ``close()`` does it at once,
 garbage collection queues it for the connection's next ``NewEngine`` (a finalizer must
@@ -50,7 +54,7 @@ from ..contract import (
 from ..errors import InvalidTarget, ShardkitError
 from ..proto import shard_engine_pb2 as pb
 from ..proto import shard_engine_pb2_grpc as pb_grpc
-from ..targets import ResolvedTarget
+from ..targets import EngineLost, ResolvedTarget
 from . import codec
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "RemoteDeadlineExceeded",
     "RemoteEngineCrashed",
     "RemoteEngineError",
+    "RemoteEngineEvicted",
     "RemoteProtocolError",
     "RemoteShardEngine",
     "RemoteUnavailable",
@@ -72,6 +77,7 @@ DEFAULT_TIMEOUT_SECONDS = 5.0
 #: How long ``close()`` waits for the server to drop an engine: best effort.
 _CLOSE_TIMEOUT_SECONDS = 1.0
 _EXCEPTION_TYPE_KEY = "shardkit-exception-type"  # as the server sends it (server.EXCEPTION_TYPE_KEY)
+_EVICTED_KEY = "shardkit-engine-evicted"  # as the server sends it (server.EVICTED_KEY)
 
 
 class RemoteEngineError(ShardkitError):
@@ -109,6 +115,10 @@ class RemoteEngineCrashed(RemoteEngineError):
         super().__init__(message, address=address, operation=operation, code="INTERNAL", details=details)
         #: The type name of what the engine raised, e.g. ``"FakeEngineCrash"``.
         self.exception_type = exception_type
+
+
+class RemoteEngineEvicted(RemoteEngineError):
+    """The server dropped this engine to stay within its limit of live engines (``--max-engines``)."""
 
 
 class RemoteProtocolError(RemoteEngineError):
@@ -169,13 +179,19 @@ class _Connection:
             )
             return RemoteUnavailable(message, code=code.name, **where)
         if code == grpc.StatusCode.INTERNAL:
-            metadata = (
-                dict(error.trailing_metadata() or ()) if callable(getattr(error, "trailing_metadata", None)) else {}
-            )
-            exception_type = metadata.get(_EXCEPTION_TYPE_KEY)
+            exception_type = _trailing(error).get(_EXCEPTION_TYPE_KEY)
             if exception_type is not None:
                 message = f"{self.url}: {operation}: the engine raised {details}"
                 return RemoteEngineCrashed(message, exception_type=str(exception_type), **where)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and _EVICTED_KEY in _trailing(error):
+            message = f"{self.url}: {operation}: the server evicted this engine: {details}"
+            return RemoteEngineEvicted(message, code=code.name, **where)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            message = (
+                f"{self.url}: {operation}: a message exceeded the size limit of one end "
+                f"(this client's is {codec.MAX_MESSAGE_BYTES // 2**20} MiB, shardkit.remote.codec.MAX_MESSAGE_BYTES): {details}"
+            )
+            return RemoteEngineError(message, code=code.name, **where)
         if code == grpc.StatusCode.UNIMPLEMENTED:
             message = f"{self.url}: {operation}: the server does not implement this RPC; is it a shardkit.v1 service? ({details})"
             return RemoteProtocolError(message, code=code.name, **where)
@@ -220,6 +236,13 @@ class _Connection:
     def close(self) -> None:
         self.closed = True
         self.channel.close()
+
+
+def _trailing(error: Any) -> dict[str, Any]:
+    """A failed call's trailing metadata, as a dict (empty when there is none)."""
+    if not callable(getattr(error, "trailing_metadata", None)):
+        return {}
+    return dict(error.trailing_metadata() or ())
 
 
 _connections: dict[str, _Connection] = {}
@@ -283,11 +306,18 @@ class RemoteShardEngine(ShardEngine):
     """A fresh engine on the server at ``address``, owned by this object until ``close()``.
 
     ``wait_for_server`` waits (up to ``timeout_seconds``) for a server that is still
-    starting instead of failing at once when nothing listens yet.
+    starting instead of failing at once when nothing listens yet. ``loss_ends_run`` (what
+    ``remote_target`` sets) makes a call that finds the server gone, or this engine evicted,
+    raise ``EngineLost`` rather than ``RemoteUnavailable``/``RemoteEngineEvicted``.
     """
 
     def __init__(
-        self, address: str, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS, wait_for_server: bool = False
+        self,
+        address: str,
+        *,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        wait_for_server: bool = False,
+        loss_ends_run: bool = False,
     ) -> None:
         if isinstance(timeout_seconds, bool) or not (
             isinstance(timeout_seconds, (int, float)) and math.isfinite(timeout_seconds) and timeout_seconds > 0
@@ -296,6 +326,7 @@ class RemoteShardEngine(ShardEngine):
             raise ValueError(message)
         self.url, dial = parse_address(address)
         self.timeout_seconds = float(timeout_seconds)
+        self.loss_ends_run = loss_ends_run
         self._connection = _connect(self.url, dial, self.timeout_seconds, wait_for_server)
         self.engine_id = self._connection.new_engine(self.timeout_seconds)
         self._ref = pb.EngineRef(engine_id=self.engine_id)
@@ -324,7 +355,12 @@ class RemoteShardEngine(ShardEngine):
         self.close()
 
     def _call(self, operation: str, rpc: str, request: Any) -> Any:
-        return self._connection.call(operation, rpc, request, self.timeout_seconds)
+        try:
+            return self._connection.call(operation, rpc, request, self.timeout_seconds)
+        except (RemoteUnavailable, RemoteEngineEvicted) as error:
+            if not self.loss_ends_run:
+                raise
+            raise _lost(error) from error
 
     def _decode(self, operation: str, decode: Callable[[], T]) -> T:
         try:
@@ -401,11 +437,32 @@ class RemoteShardEngine(ShardEngine):
         return self._decode(operation, lambda: codec.status_from_pb(response))
 
 
+def _lost(error: RemoteEngineError) -> EngineLost:
+    if isinstance(error, RemoteEngineEvicted):
+        what = f"the engine server at {error.address} evicted the engine under test during {error.operation}"
+    else:
+        what = f"the engine server at {error.address} went away during {error.operation}"
+    message = f"{what} ({error.details or error}); nothing after that was checked: check the server and run again"
+    return EngineLost(message, address=error.address)
+
+
 def remote_target(address: str, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ResolvedTarget:
-    """The engine target ``address``: each call builds a ``RemoteShardEngine`` with a fresh engine."""
+    """The engine target ``address``: each call builds a ``RemoteShardEngine`` with a fresh engine.
+
+    A server unreachable at the first call is an ``InvalidTarget``; one that goes away
+    after serving an engine of this target ends the run with ``EngineLost``."""
     parse_address(address)  # refuse a malformed address now, not at the first engine
+    served = False
 
     def build() -> ShardEngine:
-        return RemoteShardEngine(address, timeout_seconds=timeout_seconds)
+        nonlocal served
+        try:
+            engine = RemoteShardEngine(address, timeout_seconds=timeout_seconds, loss_ends_run=True)
+        except RemoteUnavailable as error:
+            if served:
+                raise _lost(error) from error
+            raise
+        served = True
+        return engine
 
     return ResolvedTarget(address, build)

@@ -48,6 +48,7 @@ __all__ = [
     "GRPC_OPTIONS",
     "INT64_MAX",
     "INT64_MIN",
+    "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "WireFormatError",
     "bundle_from_pb",
@@ -57,6 +58,7 @@ __all__ = [
     "fault_from_pb",
     "fault_to_pb",
     "get_counter",
+    "grpc_options",
     "health_from_pb",
     "health_to_pb",
     "load_request_from_pb",
@@ -80,9 +82,19 @@ __all__ = [
 
 #: What ``Handshake`` carries; client and server must speak exactly the same one.
 PROTOCOL_VERSION = "shardkit.v1/1"
-#: Channel and server options on both ends: bundles of real models outgrow gRPC's
-#: default 4 MB message limit.
-GRPC_OPTIONS: list[tuple[str, int]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+#: The largest message either end sends or accepts (server and client alike). Boundary bundles
+#: of real models outgrow gRPC's default of 4 MiB (a prefill of 4 096 rows of hidden 8 192 in
+#: float32 is 128 MiB), but a peer must not make the other allocate without bound.
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel and server options limiting messages to ``max_message_bytes`` both ways."""
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+#: Channel and server options on both ends (``grpc_options()`` at ``MAX_MESSAGE_BYTES``).
+GRPC_OPTIONS: list[tuple[str, int]] = grpc_options()
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DECIMAL = re.compile(r"-?[0-9]+")

@@ -7,6 +7,12 @@ server for one with ``NewEngine`` and gets an engine id that every later call
 names; ``CloseEngine`` drops it. That way ``shardkit fuzz grpc://…`` against
 ``shardkit serve shardkit:FakeShardEngine`` behaves exactly as in-process fuzzing.
 
+A server keeps at most ``max_engines`` engines alive (``DEFAULT_MAX_ENGINES``): a client
+that never closes its engines cannot grow it without bound. Beyond the limit the least
+recently used engine is dropped, and a later call naming it is answered with
+``FAILED_PRECONDITION``, details saying it was evicted and why, and the trailing metadata
+``shardkit-engine-evicted``. Messages are limited to ``codec.MAX_MESSAGE_BYTES`` both ways.
+
 An exception raised by an engine is a process death for the kit: the server answers
 the call with gRPC status ``INTERNAL``, details ``"TypeName: message"`` (with any
 notes) and the trailing metadata ``shardkit-exception-type``. ``EngineError`` from
@@ -17,6 +23,8 @@ the exception, as a native engine's process would die (see ``worker.py``).
 
 from __future__ import annotations
 
+import collections
+import ipaddress
 import itertools
 import os
 import threading
@@ -38,11 +46,14 @@ from ..targets import EngineFactory, ResolvedTarget, resolve_target
 from . import codec
 
 __all__ = [
+    "DEFAULT_MAX_ENGINES",
+    "EVICTED_KEY",
     "EXCEPTION_TYPE_KEY",
     "EXIT_ENGINE_RAISED",
     "EXIT_OUT_OF_MEMORY",
     "EngineServer",
     "ShardEngineServicer",
+    "is_loopback",
     "parse_listen",
     "serve",
 ]
@@ -51,6 +62,14 @@ T = TypeVar("T")
 
 #: Trailing metadata naming the type of the exception an engine raised.
 EXCEPTION_TYPE_KEY = "shardkit-exception-type"
+#: Trailing metadata of a call naming an engine this server evicted (its value: the limit).
+EVICTED_KEY = "shardkit-engine-evicted"
+#: Engines one server keeps alive at once. A kit's run holds a handful (the engine under test,
+#: a twin or two per session, a fresh engine per unloaded step), so this leaves room for
+#: many kits on one server while bounding what clients that never close their engines cost.
+DEFAULT_MAX_ENGINES = 256
+#: Evicted engine ids remembered, to answer "evicted" rather than "unknown" (bounded too).
+_EVICTED_REMEMBERED = 4096
 #: A worker's exit code when its engine raised (EX_SOFTWARE), and when it raised MemoryError.
 EXIT_ENGINE_RAISED = 70
 EXIT_OUT_OF_MEMORY = 71
@@ -78,13 +97,21 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         protocol_version: str = codec.PROTOCOL_VERSION,
         log: TextIO | None = None,
         fatal_exceptions: bool = False,
+        max_engines: int = DEFAULT_MAX_ENGINES,
     ) -> None:
+        if isinstance(max_engines, bool) or not isinstance(max_engines, int) or max_engines < 1:
+            message = f"max_engines must be a positive whole number, got {max_engines!r}"
+            raise ValueError(message)
         self.target = target
         self.protocol_version = protocol_version
         self.log = log
         #: A worker (``--worker``): an engine's exception ends the process, as a native crash would.
         self.fatal_exceptions = fatal_exceptions
-        self._engines: dict[int, _Slot] = {}
+        self.max_engines = max_engines
+        #: Live engines, least recently used first.
+        self._engines: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
+        self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evictions = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         #: Unique to this servicer: a client reconnected to another server sees it change.
@@ -98,6 +125,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
     def close_all(self) -> None:
         with self._lock:
             self._engines.clear()
+            self._evicted.clear()
 
     # --- connection and engines ------------------------------------------------------------
 
@@ -124,6 +152,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
             with self._lock:
                 engine_id = next(self._ids)
                 self._engines[engine_id] = _Slot(engine)
+                while len(self._engines) > self.max_engines:
+                    evicted, _ = self._engines.popitem(last=False)
+                    self._evicted[evicted] = None
+                    self.evictions += 1
+                    if len(self._evicted) > _EVICTED_REMEMBERED:
+                        self._evicted.popitem(last=False)
             return pb.NewEngineResponse(engine_id=engine_id, server_id=self.server_id)
         self._report("NewEngine", failure)
         _abort(context, grpc.StatusCode.INTERNAL, f"building an engine failed: {_describe(failure)}")
@@ -228,6 +262,17 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         """Run ``call`` on the engine; an exception (other than ``passes``) aborts with INTERNAL."""
         with self._lock:
             slot = self._engines.get(engine_id)
+            if slot is not None:
+                self._engines.move_to_end(engine_id)
+            evicted = slot is None and engine_id in self._evicted
+        if evicted:
+            details = (
+                f"engine {engine_id} was evicted: this server keeps at most {self.max_engines} engines alive and "
+                "dropped the least recently used when a client asked for more; close engines you no longer use "
+                "(CloseEngine), or start the server with a higher --max-engines"
+            )
+            context.set_trailing_metadata([(EVICTED_KEY, str(self.max_engines))])
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, details)
         if slot is None:
             details = f"no engine {engine_id} on this server (closed, or the server restarted); call NewEngine"
             _abort(context, grpc.StatusCode.NOT_FOUND, details)
@@ -264,6 +309,16 @@ def _describe(error: BaseException) -> str:
 
 def _ascii(text: str) -> str:
     return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of a ``HOST:PORT`` address) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to any interface
 
 
 def parse_listen(listen: str) -> tuple[str, str | None]:
@@ -314,22 +369,30 @@ def serve(
     protocol_version: str = codec.PROTOCOL_VERSION,
     log: TextIO | None = None,
     fatal_exceptions: bool = False,
+    max_engines: int = DEFAULT_MAX_ENGINES,
+    max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
 ) -> EngineServer:
     """Serve engines built from ``target`` on ``listen`` and return the running server.
 
     ``protocol_version`` exists so tests can play an incompatible server; ``log`` gets a
     line for every exception an engine raises (``shardkit serve`` passes stderr);
     ``fatal_exceptions`` ends the process after that line (exit ``EXIT_ENGINE_RAISED``, or
-    ``EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does.
+    ``EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does;
+    ``max_engines`` bounds the engines kept alive (the least recently used is evicted);
+    ``max_message_bytes`` bounds each message received or sent.
     """
     resolved = resolve_target(target)
     bind, host = parse_listen(listen)
     servicer = ShardEngineServicer(
-        resolved, protocol_version=protocol_version, log=log, fatal_exceptions=fatal_exceptions
+        resolved,
+        protocol_version=protocol_version,
+        log=log,
+        fatal_exceptions=fatal_exceptions,
+        max_engines=max_engines,
     )
     # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
     # then never see a call: a port in use must be an error instead.
-    options = [*codec.GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+    options = [*codec.grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS), options=options)
     pb_grpc.add_ShardEngineServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     try:

@@ -1,162 +1,26 @@
-"""Planted engines that kill their own process, as native engines die: only an isolated
-run (``shardkit fuzz --isolate``) survives them. Never call them in-process.
-
-Each states, like the other planted engines, the property the kit must name and its
-minimal failing sequence. ``PROPERTY`` is the property of an isolated run.
-"""
+"""The planted engines that kill their own process (only ever run isolated), for the
+self-tests: ``tests.planted.dying:Name`` targets. They live in ``shardkit._planted.dying``."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import time
-from typing import ClassVar
+from shardkit._planted.dying import ALLOCATION_CAP_BYTES as ALLOCATION_CAP_BYTES
+from shardkit._planted.dying import DYING as DYING
+from shardkit._planted.dying import AbortsOnRetriedPrefill as AbortsOnRetriedPrefill
+from shardkit._planted.dying import AllocatesWithoutBoundAfterRelease as AllocatesWithoutBoundAfterRelease
+from shardkit._planted.dying import DyingEngine as DyingEngine
+from shardkit._planted.dying import ExitsOnLoad as ExitsOnLoad
+from shardkit._planted.dying import ExitsWhenThirdSessionOpens as ExitsWhenThirdSessionOpens
+from shardkit._planted.dying import HangsOnSecondDecode as HangsOnSecondDecode
+from shardkit._planted.dying import SegfaultsOnDecodeAfterCancel as SegfaultsOnDecodeAfterCancel
 
-import numpy as np
-
-from shardkit import (
-    DecodeRequest,
-    LoadRequest,
-    LoadResult,
-    PrefillRequest,
-    StatusCode,
-    StepResult,
-    StructuredStatus,
-)
-
-from . import PlantedEngine
-
-#: How far the unbounded allocator goes before giving up: far beyond any test's
-#: --worker-memory, yet survivable by the machine if a limit were not enforced.
-ALLOCATION_CAP_BYTES = 6 * 2**30
-
-
-class DyingEngine(PlantedEngine):
-    """A planted engine whose bug ends the process; ``STEP_TIMEOUT`` and ``WORKER_MEMORY``
-    are the isolation settings its test runs with."""
-
-    STEP_TIMEOUT: ClassVar[float | None] = None
-    WORKER_MEMORY: ClassVar[int | None] = None
-
-
-class AbortsOnRetriedPrefill(DyingEngine):
-    BUG = "a retried prefill trips a native assertion (abort) instead of answering from the cache"
-    PROPERTY = "process killed by SIGABRT"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(a, epoch=0, step=0)  # the retry")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.served: set[tuple[str, int, int]] = set()
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        key = (request.session_id, request.epoch, request.step)
-        if key in self.served:
-            os.abort()
-        result = self.inner.prefill(request)
-        if result.status.ok:
-            self.served.add(key)
-        return result
-
-
-class SegfaultsOnDecodeAfterCancel(DyingEngine):
-    BUG = "a decode of a cancelled session reads its freed KV cache (use after free: a segfault)"
-    PROPERTY = "process killed by SIGSEGV"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)", "decode(a, epoch=0, step=1)")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.freed: set[str] = set()
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        status = self.inner.cancel(session_id, epoch)
-        if status.ok:
-            self.freed.add(session_id)
-        return status
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        if request.session_id in self.freed:
-            ctypes.string_at(0)  # a read of address 0: SIGSEGV
-        return self.inner.decode(request)
-
-    def release(self, session_id: str) -> StructuredStatus:
-        self.freed.discard(session_id)
-        return self.inner.release(session_id)
-
-
-class HangsOnSecondDecode(DyingEngine):
-    BUG = "the second decode of a session waits forever on a lock the first one never released"
-    PROPERTY = "step deadline"
-    # The twin of the oracle feeds a history in two chunks, the second as a decode: two
-    # prefills make it decode twice, a step shorter than decoding twice directly.
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0, 0])", "prefill(a, epoch=0, step=1, tokens=[0])")
-    STEP_TIMEOUT = 1.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.decodes: dict[str, int] = {}
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        result = self.inner.decode(request)
-        if result.status.ok:
-            self.decodes[request.session_id] = self.decodes.get(request.session_id, 0) + 1
-            if self.decodes[request.session_id] == 2:
-                while True:  # the deadlock
-                    time.sleep(0.05)
-        return result
-
-
-class ExitsWhenThirdSessionOpens(DyingEngine):
-    BUG = "opening a third live session takes a rarely used path that calls exit(3)"
-    PROPERTY = "process exited with code 3"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0)", "prefill(c, epoch=0, step=0)")
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        result = self.inner.prefill(request)
-        if result.status.ok and self.inner.metrics().active_sessions == 3:
-            os._exit(3)
-        return result
-
-
-class AllocatesWithoutBoundAfterRelease(DyingEngine):
-    BUG = "reopening a released session id allocates a new cache arena on every block, without bound"
-    PROPERTY = "worker memory"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "release(a)", "prefill(a, epoch=0, step=0)")
-    WORKER_MEMORY = 512
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opened: set[str] = set()
-        self.released: set[str] = set()
-        self.arenas: list[np.ndarray] = []
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        if request.session_id in self.released:
-            while sum(arena.nbytes for arena in self.arenas) < ALLOCATION_CAP_BYTES:
-                self.arenas.append(np.ones(64 * 2**20, dtype=np.uint8))
-            return StepResult(StructuredStatus(StatusCode.INTERNAL, "arena cap reached"))
-        result = self.inner.prefill(request)
-        if result.status.ok:
-            self.opened.add(request.session_id)
-        return result
-
-    def release(self, session_id: str) -> StructuredStatus:
-        if session_id in self.opened:
-            self.released.add(session_id)
-        return self.inner.release(session_id)
-
-
-class ExitsOnLoad(PlantedEngine):
-    """Not a planted bug for the machine (every example starts with a load): for the
-    driver's message when a worker dies before the first step."""
-
-    def load(self, request: LoadRequest) -> LoadResult:
-        os._exit(4)
-
-
-DYING: tuple[type[DyingEngine], ...] = (
-    AbortsOnRetriedPrefill,
-    SegfaultsOnDecodeAfterCancel,
-    HangsOnSecondDecode,
-    ExitsWhenThirdSessionOpens,
-    AllocatesWithoutBoundAfterRelease,
-)
+__all__ = [
+    "ALLOCATION_CAP_BYTES",
+    "DYING",
+    "AbortsOnRetriedPrefill",
+    "AllocatesWithoutBoundAfterRelease",
+    "DyingEngine",
+    "ExitsOnLoad",
+    "ExitsWhenThirdSessionOpens",
+    "HangsOnSecondDecode",
+    "SegfaultsOnDecodeAfterCancel",
+]

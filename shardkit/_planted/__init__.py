@@ -1,0 +1,516 @@
+"""Planted-bug engines: each wraps the fake and breaks exactly one rule or property.
+
+Every engine states what it breaks, which property the kit must name, the role
+it needs, and the length of its minimal failing sequence (with that sequence
+written out), so the self-tests can check both finding and shrinking.
+
+Private: they ship in the package so that ``shardkit bench`` measures them from an
+installed wheel too; the self-tests import them as ``tests.planted``, which
+re-exports them (``tests.planted:Name`` targets keep working).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import ClassVar
+
+from shardkit import (
+    BoundaryBundle,
+    CacheResult,
+    DecodeRequest,
+    EngineCapabilities,
+    FakeShardEngine,
+    Fault,
+    HealthResult,
+    LoadRequest,
+    LoadResult,
+    MetricsResult,
+    PrefillRequest,
+    ShardEngine,
+    StatusCode,
+    StepResult,
+    StructuredStatus,
+    TokenOutput,
+)
+
+StepRequest = PrefillRequest | DecodeRequest
+
+
+class DelegatingEngine(ShardEngine):
+    """Delegates contract v1 to a fresh fake (and nothing else: no ``inject_fault``)."""
+
+    def __init__(self) -> None:
+        self.inner = FakeShardEngine()
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        return self.inner.load(request)
+
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self.inner.prefill(request)
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self.inner.decode(request)
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        return self.inner.cancel(session_id, epoch)
+
+    def release(self, session_id: str) -> StructuredStatus:
+        return self.inner.release(session_id)
+
+    def health(self) -> HealthResult:
+        return self.inner.health()
+
+    def metrics(self) -> MetricsResult:
+        return self.inner.metrics()
+
+
+class PlantedEngine(DelegatingEngine):
+    """Delegates everything, faults included, to a fresh fake; subclasses override one behaviour."""
+
+    BUG: ClassVar[str]
+    PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
+    #: Other properties through which the same bug may surface first, depending on the sequence.
+    ALSO: ClassVar[tuple[str, ...]] = ()
+    MINIMAL: ClassVar[tuple[str, ...]]  # the minimal failing sequence, one step per line
+    ROLE: ClassVar[str] = "full"
+    CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
+    #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
+    LATE: ClassVar[bool] = False
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        return self.inner.inject_fault(fault)
+
+
+def _shift_token(result: StepResult) -> StepResult:
+    if isinstance(result.output, TokenOutput):
+        vocab = 32
+        return replace(result, output=TokenOutput((result.output.token_id + 1) % vocab, result.output.margin))
+    return result
+
+
+def _with_ids(request: StepRequest, epoch: int, step: int) -> StepRequest:
+    bundle = request.bundle
+    if bundle is not None:
+        bundle = replace(bundle, epoch=epoch, step=step)
+    return replace(request, epoch=epoch, step=step, bundle=bundle)
+
+
+class StaleEpochAccepted(PlantedEngine):
+    BUG = "serves a request whose epoch is lower than the session's, as if it were current"
+    PROPERTY = "§2 rule 4"
+    MINIMAL = ("prefill(a, epoch=1, step=0)  # opens at epoch 1", "prefill(a, epoch=0, step=1)  # stale epoch")
+    CONTRACT_CHECK = "a stale epoch is ABORTED"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: dict[str, int] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._serve(request, self.inner.prefill)  # type: ignore[arg-type]
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._serve(request, self.inner.decode)  # type: ignore[arg-type]
+
+    def _serve(self, request: StepRequest, call: Callable[[StepRequest], StepResult]) -> StepResult:
+        current = self.epochs.get(request.session_id)
+        if current is not None and 0 <= request.epoch < current:
+            request = _with_ids(request, current, request.step)
+        result = call(request)
+        if result.status.ok and request.step == 0:
+            self.epochs[request.session_id] = request.epoch
+        return result
+
+
+class DecodeOfUnknownSessionServed(PlantedEngine):
+    BUG = "a decode of an unknown session is served from a fresh cache instead of NOT_FOUND"
+    PROPERTY = "§2 rule 3"
+    MINIMAL = ("decode(a, epoch=0, step=0)",)
+    CONTRACT_CHECK = "decode of an unknown session is NOT_FOUND/MISS"
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        if result.status.code is StatusCode.NOT_FOUND:
+            opened = _with_ids(request, request.epoch, 0)
+            return self.inner.prefill(
+                PrefillRequest(opened.session_id, opened.epoch, 0, opened.token_ids, opened.bundle)
+            )
+        return result
+
+
+class ReleaseLeaksKvTokens(PlantedEngine):
+    BUG = "release frees the slot but keeps counting the session's KV tokens"
+    PROPERTY = "§2 metrics"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "release(a)")
+    CONTRACT_CHECK = "metrics return to zero after release"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaked = 0
+
+    def release(self, session_id: str) -> StructuredStatus:
+        before = self.inner.metrics().kv_tokens
+        status = self.inner.release(session_id)
+        self.leaked += before - self.inner.metrics().kv_tokens
+        return status
+
+    def metrics(self) -> MetricsResult:
+        metrics = self.inner.metrics()
+        return replace(metrics, kv_tokens=metrics.kv_tokens + self.leaked)
+
+
+class RetryAppliedTwice(PlantedEngine):
+    BUG = "an exact retry of the last step is applied again, as the next step"
+    PROPERTY = "§2 rule 6"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(a, epoch=0, step=0)  # resent")
+    CONTRACT_CHECK = "a retry is idempotent"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[str, StepRequest] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._serve(request, self.inner.prefill)  # type: ignore[arg-type]
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._serve(request, self.inner.decode)  # type: ignore[arg-type]
+
+    def _serve(self, request: StepRequest, call: Callable[[StepRequest], StepResult]) -> StepResult:
+        if self.last.get(request.session_id) == request:
+            request = _with_ids(request, request.epoch, request.step + 1)
+        result = call(request)
+        if result.status.ok:
+            self.last[request.session_id] = request
+        return result
+
+
+class MiddleDropsSideband(PlantedEngine):
+    BUG = "a middle shard drops the token-id sideband instead of passing it through"
+    PROPERTY = "§3 shape and range"
+    MINIMAL = ("prefill(a, epoch=0, step=0)",)
+    ROLE = "middle"
+    CONTRACT_CHECK = "a middle shard's outputs are well-formed"
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._drop(self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._drop(self.inner.decode(request))
+
+    def _drop(self, result: StepResult) -> StepResult:
+        output = result.output
+        if isinstance(output, BoundaryBundle) and output.boundary_point == "post_middle_residual":
+            return replace(result, output=replace(output, token_id_sideband=None))
+        return result
+
+
+class CancelLeaksKvTokens(PlantedEngine):
+    BUG = "cancel marks the session cancelled but does not free its KV tokens"
+    PROPERTY = "§2 metrics"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, int] = {}
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        before = self.inner.metrics().kv_tokens
+        status = self.inner.cancel(session_id, epoch)
+        self.held[session_id] = self.held.get(session_id, 0) + before - self.inner.metrics().kv_tokens
+        return status
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.held.pop(session_id, None)
+        return self.inner.release(session_id)
+
+    def metrics(self) -> MetricsResult:
+        metrics = self.inner.metrics()
+        return replace(metrics, kv_tokens=metrics.kv_tokens + sum(self.held.values()))
+
+
+class OutputDependsOnChunking(PlantedEngine):
+    BUG = "a prefill chunk of several tokens predicts another token than the same tokens fed one by one"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0, 3])",)
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if request.token_ids is not None and len(request.token_ids) > 1:
+            return _shift_token(result)
+        return result
+
+
+class SessionStateBleeds(PlantedEngine):
+    BUG = "a session's output depends on whether another session is live (a shared cache slot)"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0)")
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._bleed(self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._bleed(self.inner.decode(request))
+
+    def _bleed(self, result: StepResult) -> StepResult:
+        return _shift_token(result) if self.inner.metrics().active_sessions > 1 else result
+
+
+class EvictsLiveSessions(PlantedEngine):
+    BUG = "when every slot is taken, the oldest live session is evicted silently to make room"
+    PROPERTY = "§2 rule 7"
+    ALSO = ("§2 metrics",)  # an eviction that still ends refused shows only in the counts
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0, tokens=64 of them)  # a is evicted")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and self.order and request.step == 0:
+            self.inner.release(self.order.pop(0))
+            result = self.inner.prefill(request)
+        if result.status.ok and request.session_id not in self.order:
+            self.order.append(request.session_id)
+        return result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        if session_id in self.order:
+            self.order.remove(session_id)
+        return self.inner.release(session_id)
+
+
+class CrashesOnCancelOfNewerEpoch(PlantedEngine):
+    BUG = "cancel at an epoch above the session's raises (an unhandled lookup) instead of NOT_FOUND"
+    PROPERTY = "unexplained exception"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=1)")
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        status = self.inner.cancel(session_id, epoch)
+        if status.code is StatusCode.NOT_FOUND and "epoch" in status.message and "unknown" not in status.message:
+            raise KeyError((session_id, epoch))
+        return status
+
+
+class RefusedPrefillLeavesTokens(PlantedEngine):
+    BUG = "a prefill refused for capacity still leaves its tokens counted in the cache"
+    PROPERTY = "§2 metrics"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=64 of them)", "prefill(a, epoch=0, step=1)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partial = 0
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and request.token_ids is not None:
+            self.partial += len(request.token_ids)
+        return result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.partial = 0
+        return self.inner.release(session_id)
+
+    def metrics(self) -> MetricsResult:
+        metrics = self.inner.metrics()
+        return replace(metrics, kv_tokens=metrics.kv_tokens + self.partial)
+
+
+class FailedCallsNotCounted(PlantedEngine):
+    BUG = "decode_calls counts only successful decodes"
+    PROPERTY = "§2 metrics"
+    MINIMAL = ("decode(a, epoch=0, step=0)",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = 0
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        self.failed += not result.status.ok
+        return result
+
+    def metrics(self) -> MetricsResult:
+        metrics = self.inner.metrics()
+        return replace(metrics, decode_calls=metrics.decode_calls - self.failed)
+
+
+class MemoryPressureIgnored(PlantedEngine):
+    BUG = "accepts a memory_pressure fault but keeps admitting tokens up to the old limit"
+    PROPERTY = "§2 rule 7"
+    MINIMAL = ("fault(memory_pressure, value=0)", "prefill(a, epoch=0, step=0)")
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        if fault.kind == "memory_pressure":
+            self.claimed_limit = int(fault.value)
+            return StructuredStatus(StatusCode.OK)
+        return self.inner.inject_fault(fault)
+
+    def capabilities(self) -> EngineCapabilities:
+        caps = self.inner.capabilities()
+        limit = getattr(self, "claimed_limit", None)
+        return caps if limit is None else replace(caps, max_kv_tokens=limit)
+
+
+class CancelledSessionStillServes(PlantedEngine):
+    BUG = "a cancelled session still serves decodes (from a cache it claims to have freed)"
+    PROPERTY = "§2 rule 5"
+    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)", "decode(a, epoch=0, step=1)")
+    CONTRACT_CHECK = "cancel then decode is CANCELLED"
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        if result.status.code is StatusCode.CANCELLED:
+            return StepResult(StructuredStatus(StatusCode.OK), CacheResult.HIT, TokenOutput(0))
+        return result
+
+
+class PrefixCacheKeyedOnFirstToken(PlantedEngine):
+    BUG = "a prefix cache keyed on the first token serves another prompt's cached answer"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(b, epoch=0, step=0, tokens=[0, 3])")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix_cache: dict[int, StepResult] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if not (result.status.ok and request.step == 0 and request.token_ids):
+            return result
+        cached = self.prefix_cache.setdefault(request.token_ids[0], result)
+        return replace(result, output=cached.output)
+
+
+class RefusedPrefillPoisonsSession(PlantedEngine):
+    BUG = "a prefill refused for capacity leaves half-written cache rows that corrupt later outputs"
+    PROPERTY = "§3 determinism"
+    MINIMAL = (
+        "prefill(a, epoch=0, step=0, tokens=[0])",
+        "prefill(a, epoch=0, step=1, tokens=64 of them)  # refused",
+        "decode(a, epoch=0, step=1)",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.poisoned: set[str] = set()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._serve(request, self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._serve(request, self.inner.decode(request))
+
+    def _serve(self, request: StepRequest, result: StepResult) -> StepResult:
+        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and request.step > 0:
+            self.poisoned.add(request.session_id)
+        elif result.status.ok and request.step == 0:
+            self.poisoned.discard(request.session_id)
+        return _shift_token(result) if request.session_id in self.poisoned else result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.poisoned.discard(session_id)
+        return self.inner.release(session_id)
+
+
+class RequestIdWrapsAt32(PlantedEngine):
+    BUG = "a 5-bit request id wraps after 32 calls and from the 32nd on answers go to the wrong slot"
+    PROPERTY = "§3 determinism"
+    MINIMAL = (*("any prefill or decode (31 of them)",) * 31, "prefill(...)  # the 32nd call answers wrongly")
+    LATE = True  # needs dozens of steps: shrinking only has to come within one step
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._count(self.inner.prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._count(self.inner.decode(request))
+
+    def _count(self, result: StepResult) -> StepResult:
+        self.calls += 1
+        return _shift_token(result) if self.calls >= 32 else result
+
+
+class DelayedStepTimesOut(PlantedEngine):
+    BUG = "a step delayed by a slow host answers DEADLINE_EXCEEDED instead of its result"
+    PROPERTY = "§2 rule 8"
+    MINIMAL = ("fault(delay, value=0.0)", "prefill(a, epoch=0, step=0)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delayed = False
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        if fault.kind == "delay":
+            self.delayed = True
+        return self.inner.inject_fault(fault)
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        if self.delayed:
+            self.delayed = False
+            self.inner.metrics()  # the request never reaches the cache
+            self.inner.prefill(replace(request, session_id=""))  # ...but it is counted as a call
+            return StepResult(StructuredStatus(StatusCode.DEADLINE_EXCEEDED, "timed out", True), CacheResult.MISS)
+        return self.inner.prefill(request)
+
+
+class RestartKeepsOldEpochCache(PlantedEngine):
+    BUG = "a restart at a higher epoch keeps serving from the old epoch's cache (no epoch check on reuse)"
+    PROPERTY = "§3 determinism"
+    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(a, epoch=1, step=0, tokens=[0])  # epoch bump")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: dict[str, int] = {}
+        self.stale: set[str] = set()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        known = self.epochs.get(request.session_id)
+        if result.status.ok and request.step == 0:
+            if known is not None and request.epoch > known:
+                self.stale.add(request.session_id)
+            self.epochs[request.session_id] = request.epoch
+        return _shift_token(result) if request.session_id in self.stale else result
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        return _shift_token(result) if request.session_id in self.stale else result
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.epochs.pop(session_id, None)
+        self.stale.discard(session_id)
+        return self.inner.release(session_id)
+
+
+def names_its_property(engine: type[PlantedEngine], property_name: str) -> bool:
+    return any(property_name.startswith(expected) for expected in (engine.PROPERTY, *engine.ALSO))
+
+
+PLANTED: tuple[type[PlantedEngine], ...] = (
+    StaleEpochAccepted,
+    DecodeOfUnknownSessionServed,
+    ReleaseLeaksKvTokens,
+    RetryAppliedTwice,
+    MiddleDropsSideband,
+    CancelLeaksKvTokens,
+    OutputDependsOnChunking,
+    SessionStateBleeds,
+    EvictsLiveSessions,
+    CrashesOnCancelOfNewerEpoch,
+    RefusedPrefillLeavesTokens,
+    FailedCallsNotCounted,
+    MemoryPressureIgnored,
+    CancelledSessionStillServes,
+    PrefixCacheKeyedOnFirstToken,
+    RefusedPrefillPoisonsSession,
+    RequestIdWrapsAt32,
+    DelayedStepTimesOut,
+    RestartKeepsOldEpochCache,
+)
