@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -40,6 +41,9 @@ class BenchSettings:
     seed: int = 1
     #: The planted-bug engines ship with the package (private), so bench runs from an installed wheel.
     planted_module: str | None = "shardkit._planted"
+    #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process
+    #: (``--memory``); empty: not measured (a 3 000-example run takes minutes).
+    memory_examples: tuple[int, ...] = ()
 
 
 def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
@@ -237,12 +241,50 @@ def _rounded(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
 
 
+_MEMORY_PROBE = """
+import sys
+from shardkit import FakeShardEngine
+from shardkit.runner import fuzz
+
+fuzz(FakeShardEngine, seed=int(sys.argv[1]), examples=int(sys.argv[2]), steps=int(sys.argv[3]))
+with open("/proc/self/status") as status:
+    print(next(line.split()[1] for line in status if line.startswith("VmHWM:")))
+"""
+
+
+def _memory(config: BenchSettings) -> dict[str, Any] | str:
+    """Peak RSS of ``shardkit fuzz`` on the fake (100 steps an example, the nightly length) at
+    each size, each in a process of its own: the kit runs long campaigns as a series of
+    bounded Hypothesis runs, so the peak must not grow with the number of examples."""
+    if not config.memory_examples:
+        return "not measured (shardkit bench --memory)"
+    if not Path("/proc/self/status").exists():
+        return "not measured: needs /proc (Linux)"
+    peaks: dict[str, Any] = {}
+    for examples in config.memory_examples:
+        started = time.perf_counter()
+        finished = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, str(config.seed), str(examples), "100"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        peaks[str(examples)] = {
+            "peak_rss_mb": round(int(finished.stdout.split()[-1]) / 1024, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+    sizes = [peaks[str(examples)]["peak_rss_mb"] for examples in config.memory_examples]
+    peaks["ratio_largest_to_smallest"] = round(max(sizes[-1], 1e-9) / max(sizes[0], 1e-9), 2)
+    return peaks
+
+
 def run_bench(config: BenchSettings) -> dict[str, Any]:
     started = time.perf_counter()
     throughput = _throughput(config)
     engines = _engines(config)
     out_of_process = _out_of_process(config)
     planted = _planted(config)
+    memory = _memory(config)
     full = throughput["full"]
     return {
         "examples": config.examples,
@@ -255,6 +297,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "engines": engines,
         "out_of_process": out_of_process,
         "planted": planted,
+        "memory": memory,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
@@ -321,6 +364,16 @@ def render(bench: dict[str, Any]) -> str:
             caught = "caught" if row["caught_by_contract"] else "-"
             lines.append(f"  {row['engine']:<30} {'yes' if row['found'] else 'NO':<5}{cells} {caught:>8}")
         lines.append("  " + _planted_summary(planted))
+    memory = bench["memory"]
+    if isinstance(memory, str):
+        lines.append(f"memory: {memory}")
+    else:
+        sizes = [key for key in memory if key.isdigit()]
+        cells = ", ".join(f"{memory[key]['peak_rss_mb']} MB at {int(key):,} examples" for key in sizes)
+        lines.append(
+            f"memory (fake, 100 steps an example, a fresh process each): peak RSS {cells}; "
+            f"ratio {memory['ratio_largest_to_smallest']}"
+        )
     lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s")
     return "\n".join(lines)
 

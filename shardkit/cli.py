@@ -184,6 +184,11 @@ def _parser() -> _Parser:
     bench.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
     bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
     bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure a fuzz run's peak RSS at 300 and 3000 examples (takes minutes)",
+    )
+    bench.add_argument(
         "--planted",
         default="shardkit._planted",
         help="module of planted-bug engines (the bundled shardkit._planted), or 'none'",
@@ -474,7 +479,8 @@ def _bench(args: argparse.Namespace) -> int:
         if not isinstance(getattr(module, "PLANTED", None), tuple):
             message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
             raise UsageError(message)
-    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted))
+    memory = (300, 3000) if args.memory else ()
+    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted, memory))
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return EXIT_OK
 

@@ -245,6 +245,12 @@ class ShardMachine(RuleBasedStateMachine):
         if self.stats.on_example is not None:
             self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
 
+    def teardown(self) -> None:
+        """Let go of the engines, twins and memo as soon as the example ends: Hypothesis keeps
+        recent machine instances reachable from its strategy cache, and a run's memory must
+        not grow with its number of examples. Subclasses that override it call ``super()``."""
+        self.__dict__.pop("driver", None)
+
     # --- helpers rules share -----------------------------------------------------------
 
     def run(self, action: Action) -> StepRecord:

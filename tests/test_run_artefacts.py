@@ -174,3 +174,14 @@ def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
         result.stdout.fnmatch_lines(["shardkit: a fresh seed each run*profile shardkit-dev (50 examples × 30 steps)*"])
     else:
         result.stdout.fnmatch_lines(["shardkit: derandomized*profile shardkit-ci (200 examples × 50 steps)*"])
+
+
+def test_the_bench_measures_peak_memory_at_two_sizes_in_fresh_processes() -> None:
+    from shardkit.bench import BenchSettings, _memory
+
+    figures = _memory(BenchSettings(seed=1, memory_examples=(10, 30)))
+    assert isinstance(figures, dict), figures
+    assert figures["10"]["peak_rss_mb"] > 10
+    assert figures["30"]["peak_rss_mb"] > 10
+    assert figures["ratio_largest_to_smallest"] == round(figures["30"]["peak_rss_mb"] / figures["10"]["peak_rss_mb"], 2)
+    assert _memory(BenchSettings()) == "not measured (shardkit bench --memory)"
