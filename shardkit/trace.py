@@ -242,13 +242,29 @@ def machine_fields(machine: type[ShardMachine] | None) -> dict[str, str | None]:
     return fields
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system says (Linux), else
+    set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, document: Mapping[str, Any] | str) -> Path:
     """Write to a temporary file beside ``path`` and rename it into place, so a
-    killed run never leaves a half-written file."""
+    killed run never leaves a half-written file. The file gets the permissions any
+    new file of the user gets (0666 less the umask), not the temporary file's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = document if isinstance(document, str) else json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
         os.replace(temporary, path)

@@ -185,3 +185,18 @@ def test_the_bench_measures_peak_memory_at_two_sizes_in_fresh_processes() -> Non
     assert figures["30"]["peak_rss_mb"] > 10
     assert figures["ratio_largest_to_smallest"] == round(figures["30"]["peak_rss_mb"] / figures["10"]["peak_rss_mb"], 2)
     assert _memory(BenchSettings()) == "not measured (shardkit bench --memory)"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_get_the_users_umask(tmp_path: Path, umask: int) -> None:
+    """Traces were written 0600 whatever the umask (the temporary file's mode)."""
+    import os
+
+    from shardkit.trace import write_atomically
+
+    previous = os.umask(umask)
+    try:
+        written = write_atomically(tmp_path / "trace.json", {"a": 1})
+    finally:
+        os.umask(previous)
+    assert written.stat().st_mode & 0o777 == 0o666 & ~umask
