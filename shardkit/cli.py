@@ -461,7 +461,12 @@ def _replay(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not result.reproduced:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
-    print(result.failure.message)
+    # The whole sequence, as fuzz printed it: the last step alone does not say how it was reached.
+    print(f"FAILURE ({result.failure.property}) in {len(result.records)} steps:")
+    for record in result.records[:-1]:
+        print(f"  step {record.index}: {record.action.describe()}  → {record.observed}")
+    for line in result.failure.message.splitlines():
+        print(f"  {line}")
     return EXIT_FAILURE
 
 

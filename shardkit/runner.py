@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import shlex
@@ -577,7 +578,11 @@ def run_as_test(machine: type[ShardMachine], explicit_settings: settings | None)
     result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
     if result.failure is not None:
         engine = f" --shardkit-engine {shlex.quote(overrides.engine)}" if overrides.engine is not None else ""
-        result.rerun_command = f"pytest --shardkit-seed {seed}{engine}"
+        # pytest names the running test in PYTEST_CURRENT_TEST ("path::Class::test (call)"):
+        # rerun that test alone, not every suite the project's testpaths collect.
+        current = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+        selected = f" {shlex.quote(current)}" if current else ""
+        result.rerun_command = f"pytest{selected} --shardkit-seed {seed}{engine}"
         if overrides.seed is None and run_settings.derandomize:
             result.rerun_command += "  (or plain pytest: the profile is derandomized)"
         message = render_failure(result)

@@ -25,13 +25,19 @@ def suite(pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.Monkey
 
 def test_the_header_shows_the_seed_in_use(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess("--shardkit-seed", "5")
-    result.stdout.fnmatch_lines(["shardkit: seed 5 (--shardkit-seed); profile shardkit-ci (200 examples × 50 steps) unless a suite sets its own; engine each suite's own"])
+    result.stdout.fnmatch_lines(
+        [
+            "shardkit: seed 5 (--shardkit-seed); profile shardkit-ci (200 examples × 50 steps) unless a suite sets its own; engine each suite's own"
+        ]
+    )
     result.assert_outcomes(passed=1)
 
 
 def test_without_a_seed_the_header_says_the_profile_decides(suite: pytest.Pytester) -> None:
     result = suite.runpytest_subprocess()
-    result.stdout.fnmatch_lines(["shardkit: derandomized: each suite's seed derives from its engine; profile shardkit-ci*"])
+    result.stdout.fnmatch_lines(
+        ["shardkit: derandomized: each suite's seed derives from its engine; profile shardkit-ci*"]
+    )
     result.assert_outcomes(passed=1)
 
 
@@ -48,6 +54,8 @@ def test_shardkit_engine_points_the_suites_at_another_engine_and_the_report_show
             "*shardkit: reproduce*",
             "*this failure:    shardkit replay failures/releaseleakskvtokens-full-seed-3-*-full-2-metrics.json*",
             "*as a test:       pytest failures/test_releaseleakskvtokens_full_seed_3_*_full_2_metrics.py*",
+            # The failing suite alone, not every test the project's testpaths collect.
+            "*the whole run:   pytest test_suite.py::TestFakeSuite::runTest --shardkit-seed 3 --shardkit-engine tests.planted:ReleaseLeaksKvTokens*",
         ]
     )
     assert len(list((suite.path / "failures").glob("releaseleakskvtokens-full-seed-3-*-full-2-metrics.json"))) == 1
