@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from .contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
@@ -41,13 +43,28 @@ class InjectedCrash(ShardkitError):
     """A process death simulated at an engine's boundary by an injected ``crash`` fault."""
 
 
+#: How far ``corrupt_output`` moves a residual value, at least (plus 4× the tolerance).
+_SHIFT = 1.0
+
+
 def corrupt_output(output: BoundaryBundle | TokenOutput, caps: EngineCapabilities) -> BoundaryBundle | TokenOutput:
     """A structurally valid but wrong version of ``output``: another in-vocab token,
-    or residual rows shifted by clearly more than the engine's tolerance."""
+    or residual rows whose every value moves by clearly more than the engine's tolerance.
+
+    A value too large for the shift to register in the engine's dtype (float32 cannot
+    add 1 to 2**25) is halved instead, so every value changes and stays finite. With a
+    vocabulary of one token there is no other token: the output comes back unchanged.
+    """
     if isinstance(output, TokenOutput):
         return TokenOutput((output.token_id + 1) % max(caps.vocab_size, 1), margin=None)
     rows = output.tensors[0].to_array()
-    shifted = (rows + (1.0 + 4.0 * caps.tolerance)).astype(rows.dtype)
+    shift = _SHIFT + 4.0 * caps.tolerance
+    with np.errstate(over="ignore", invalid="ignore"):
+        shifted = (rows.astype(np.float64) + shift).astype(rows.dtype)
+        moved = np.abs(shifted.astype(np.float64) - rows.astype(np.float64))
+        lost = ~(moved >= shift / 2) | ~np.isfinite(shifted)
+    if lost.any():
+        shifted = np.where(lost, rows / 2, shifted).astype(rows.dtype)
     return replace(output, tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, shifted),))
 
 
@@ -60,6 +77,10 @@ class FaultInjectingEngine(ShardEngine):
         self._delay: float | None = None
         self._malformed = False
         self._crash_countdown: int | None = None
+        #: The engine's own answer to the last prefill/decode, when ``malformed_output``
+        #: replaced its output (None otherwise): the kit checks the engine on this, and
+        #: its own detection on what was delivered.
+        self.last_original: StepResult | None = None
 
     def __getattr__(self, name: str) -> object:
         # Operations a backend adds beyond contract v1 reach the wrapped engine.
@@ -93,7 +114,13 @@ class FaultInjectingEngine(ShardEngine):
             message = f"injected crash: the engine process died during {call}"
             raise InjectedCrash(message)
 
+    @property
+    def malformed_armed(self) -> bool:
+        """An injected ``malformed_output`` waits for the next OK output."""
+        return self._malformed
+
     def _step(self, call: str, run: Callable[[], StepResult]) -> StepResult:
+        self.last_original = None
         self._count_call(call)
         if self._delay is not None:
             delay, self._delay = self._delay, None
@@ -101,6 +128,7 @@ class FaultInjectingEngine(ShardEngine):
         result = run()
         if self._malformed and result.status.ok and result.output is not None:
             self._malformed = False
+            self.last_original = result
             result = replace(result, output=corrupt_output(result.output, self.inner.capabilities()))
         return result
 

@@ -22,6 +22,7 @@ from .contract import (
     PrefillRequest,
     ShardEngine,
     StepResult,
+    StructuredStatus,
 )
 from .model import StepRequest
 from .steps import Action, build_request, step_action
@@ -153,6 +154,9 @@ class TwinSession:
 
 def _send(stage: _Stage, request: StepRequest, action: Action) -> StepResult:
     result = stage.engine.prefill(request) if isinstance(request, PrefillRequest) else stage.engine.decode(request)
+    if not isinstance(result, StepResult) or not isinstance(result.status, StructuredStatus):
+        message = f"a fresh twin ({stage.label}) returned {result!r} for {action.describe()}, not a StepResult"
+        raise OracleFailure("§3 twin oracle", message)
     if not result.status.ok:
         message = f"{_where(stage, action)} with {result.status.code.name}: {result.status.message}"
         raise OracleFailure("§3 twin oracle", message)

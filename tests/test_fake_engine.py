@@ -674,17 +674,31 @@ def test_the_malformed_output_knob_breaks_every_ok_output_structurally() -> None
     assert len(bundle.tensors[0].data) < 2 * HIDDEN * 4
 
 
-def test_crash_after_calls_kills_the_engine_on_that_call_for_good() -> None:
-    """The N-th prefill/decode/cancel/release raises (naming the call); every later call raises too."""
+def test_crash_after_calls_lets_n_steps_succeed_and_kills_the_next_for_good() -> None:
+    """N prefill/decode calls succeed (other operations do not count); the next one raises,
+    naming the call, and every later call raises too."""
     engine = loaded(crash_after_calls=3)
-    prefill(engine, [1])
-    engine.cancel("s", 0)
+    assert_ok(prefill(engine, [1]), CacheResult.MISS)
+    for uncounted in (lambda: engine.cancel("x", 0), lambda: engine.release("x"), engine.health, engine.metrics):
+        uncounted()
+    engine.capabilities()
+    assert_ok(decode(engine, 2, step=1), CacheResult.HIT)
+    engine.release("t")
+    assert_ok(prefill(engine, [3], step=2), CacheResult.HIT)
     with pytest.raises(FakeEngineCrash) as raised:
-        engine.release("s")
-    assert "release()" in "\n".join(raised.value.__notes__)
+        decode(engine, 4, step=3)
+    assert "decode() (prefill/decode call #4, crash_after_calls=3)" in "\n".join(raised.value.__notes__)
     for later in (engine.health, engine.metrics, engine.capabilities, lambda: prefill(engine, [1], session="t")):
         with pytest.raises(FakeEngineCrash):
             later()
+
+
+def test_crash_after_calls_counts_refused_steps_too() -> None:
+    """A refused prefill/decode is still a call: with N=1 the second call raises, whatever the first answered."""
+    engine = loaded(crash_after_calls=1)
+    assert_refused(decode(engine, 2, session="unknown"), StatusCode.NOT_FOUND)
+    with pytest.raises(FakeEngineCrash):
+        prefill(engine, [1])
 
 
 def test_the_crash_exception_factory_decides_what_a_crash_raises() -> None:
@@ -694,8 +708,10 @@ def test_the_crash_exception_factory_decides_what_a_crash_raises() -> None:
         pass
 
     engine = loaded(crash_after_calls=1, crash_exception_factory=Killed)
+    prefill(engine, [1])
+    engine.release("s")
     with pytest.raises(Killed):
-        engine.release("s")
+        decode(engine, 2, step=1)
 
 
 # --- faults -----------------------------------------------------------------------------------------

@@ -143,6 +143,9 @@ class _Session(Generic[CacheT]):
     last_request: StepRequest
     last_result: StepResult
     cancelled: bool = False
+    #: The token a malformed_output fault puts in the last result's place: the least
+    #: likely one, never a near tie (None: the engine produced no logits to choose from).
+    wrong_token: int | None = None
 
 
 def refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
@@ -188,8 +191,9 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         crash_after_calls: int | None = None,
     ) -> None:
         """``step_delay_seconds`` is slept before every prefill/decode; ``malformed_output``
-        breaks every OK output structurally; the ``crash_after_calls``-th prefill, decode,
-        cancel or release call raises ``crash_exception_factory()`` and the engine stays dead."""
+        breaks every OK output structurally; after ``crash_after_calls`` prefill/decode calls
+        have succeeded the next one raises ``crash_exception_factory()`` and the engine stays
+        dead (cancel, release, health, metrics and capabilities do not count)."""
         self._spec = spec
         self._crash_exception_factory = crash_exception_factory
         self._step_delay_seconds = step_delay_seconds
@@ -200,9 +204,12 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         self._max_kv_tokens = spec.max_kv_tokens
         self._prefill_calls = 0
         self._decode_calls = 0
-        # Calls to prefill/decode/cancel/release since construction, for scheduled crashes.
+        # Calls to prefill/decode/cancel/release since construction, for the crash fault.
         self._counted_calls = 0
-        self._crash_at_call = crash_after_calls
+        self._crash_at_call: int | None = None
+        # Prefill/decode calls since construction, for the crash_after_calls knob.
+        self._step_calls = 0
+        self._crash_after_steps = crash_after_calls
         self._death: str | None = None
         self._pending_delay = 0.0
         self._corrupt_next_output = False
@@ -229,11 +236,18 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
     # --- process death -------------------------------------------------------------------
 
     def _check_alive(self, operation: str, *, counted: bool = False) -> None:
-        """Raise as a dead process would; a counted call may be the scheduled one that dies."""
+        """Raise as a dead process would; a counted call may be the scheduled one that dies:
+        the one an armed crash fault names (prefill, decode, cancel and release count), or
+        the first prefill/decode after ``crash_after_calls`` of them succeeded."""
         if counted and self._death is None:
             self._counted_calls += 1
             if self._crash_at_call is not None and self._counted_calls >= self._crash_at_call:
                 self._death = f"{operation}() (call #{self._counted_calls})"
+            elif operation in ("prefill", "decode") and self._crash_after_steps is not None:
+                self._step_calls += 1
+                if self._step_calls > self._crash_after_steps:
+                    after = self._crash_after_steps
+                    self._death = f"{operation}() (prefill/decode call #{self._step_calls}, crash_after_calls={after})"
         if self._death is not None:
             error = self._crash_exception_factory()
             # A zero-argument factory cannot know which call died, so the engine says so.
@@ -318,7 +332,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         if session.cancelled:
             return refusal(StatusCode.CANCELLED, f"{where}: cancelled; release it or restart at a higher epoch")
         if request.step == session.next_step - 1 and request == session.last_request:
-            return self._deliver(session.last_result)
+            return self._deliver(session.last_result, session.wrong_token)
         if request.step != session.next_step:
             message = f"{where}: expected step {session.next_step} or an identical retry of the last step"
             return refusal(StatusCode.FAILED_PRECONDITION, message)
@@ -350,16 +364,19 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             self._release_cache(session.cache)
         new_cache, produced = self._forward(self._fresh_cache() if cache is None else cache, step_input)
         output = self._output(request, served, produced, count)
+        wrong_token = _least_likely_token(produced, output)
         if self._break_outputs:
             output = self._structurally_broken(output)
         # A retry of this step must return exactly what this call returns, corruption included.
-        result = self._deliver(StepResult(_OK, CacheResult.HIT if continues else CacheResult.MISS, output))
+        clean = StepResult(_OK, CacheResult.HIT if continues else CacheResult.MISS, output)
+        result = self._deliver(clean, wrong_token)
         if session is not None and continues:
             session.next_step += 1
             session.cache, session.kv_tokens = new_cache, session.kv_tokens + count
-            session.last_request, session.last_result = request, result
+            session.last_request, session.last_result, session.wrong_token = request, result, wrong_token
         else:
-            self._sessions[request.session_id] = _Session(request.epoch, 1, new_cache, count, request, result)
+            opened = _Session(request.epoch, 1, new_cache, count, request, result, wrong_token=wrong_token)
+            self._sessions[request.session_id] = opened
         return result
 
     def _input_problem(self, request: StepRequest, operation: str, served: ServedRange) -> str | None:
@@ -438,20 +455,29 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         ids = (request.session_id, request.epoch, request.step)
         return BoundaryBundle(*ids, point, served.architecture, (residual,), sideband)
 
-    def _deliver(self, result: StepResult) -> StepResult:
+    def _deliver(self, result: StepResult, wrong_token: int | None) -> StepResult:
         """Hand out an OK result, spending an armed malformed_output fault on it."""
         if not self._corrupt_next_output:
             return result
         self._corrupt_next_output = False
         assert result.output is not None  # only OK results are delivered
-        return replace(result, output=self._semantically_wrong(result.output))
+        return replace(result, output=self._semantically_wrong(result.output, wrong_token))
 
-    def _semantically_wrong(self, output: BoundaryBundle | TokenOutput) -> BoundaryBundle | TokenOutput:
-        """The ``malformed_output`` fault: valid shape, range and tags, wrong value; only an oracle can tell."""
+    def _semantically_wrong(
+        self, output: BoundaryBundle | TokenOutput, wrong_token: int | None = None
+    ) -> BoundaryBundle | TokenOutput:
+        """The ``malformed_output`` fault: valid shape, range and tags, wrong value; only an oracle can tell.
+
+        A token becomes ``wrong_token`` (the least likely one), so it is never a near tie
+        that a correct engine could also have returned; without logits, the next id."""
         vocab_size = self._spec.vocab_size
         if isinstance(output, TokenOutput):
             token = output.token_id
-            return replace(output, token_id=(token + 1) % vocab_size if token < vocab_size else token + 1)
+            if token >= vocab_size:  # the structural knob already moved it out of the vocabulary
+                return replace(output, token_id=token + 1)
+            if wrong_token is not None and wrong_token != token:
+                return replace(output, token_id=wrong_token)
+            return replace(output, token_id=(token + 1) % vocab_size)
         residual = output.tensors[0]
         # Raw bytes, not to_array(): with the malformed_output knob on, the data is truncated.
         wire = np.dtype(self._spec.dtype).newbyteorder("<")
@@ -540,6 +566,15 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             at_call = self._counted_calls + int(value)
             self._crash_at_call = min(at_call, self._crash_at_call or at_call)
         return _OK
+
+
+def _least_likely_token(produced: Produced, output: BoundaryBundle | TokenOutput) -> int | None:
+    """The malformed_output fault's token for this output: the lowest logit's, which no
+    rounding can bring near the top (None without logits, or when every logit ties)."""
+    if not isinstance(output, TokenOutput) or not isinstance(produced, np.ndarray) or produced.size < 2:
+        return None
+    least = int(np.argmin(produced))
+    return None if least == output.token_id else least
 
 
 def is_int_at_least(value: object, minimum: int) -> bool:

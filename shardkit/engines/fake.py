@@ -57,6 +57,8 @@ class FakeShardEngineConfig:
     step_delay_seconds: float = 0.0
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
     malformed_output: bool = False
+    #: N prefill/decode calls succeed, the next one raises ``crash_exception_factory()`` and the
+    #: engine stays dead; cancel, release, health, metrics and capabilities do not count.
     crash_after_calls: int | None = None
     crash_exception_factory: Callable[[], BaseException] = field(default=FakeEngineCrash, compare=False)
 
