@@ -44,9 +44,7 @@ def _cli_run(repo_root: Path, work: Path, *, loaded: bool) -> dict[str, Any]:
     work.mkdir()
     out, report = work / "out", work / "report.json"
     command = [SHARDKIT, "fuzz", TARGET, "--seed", "3", "--examples", "100", "--out", str(out), "--report", str(report)]
-    burners = (
-        [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)] if loaded else []
-    )
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)] if loaded else []
     try:
         env = _env(repo_root, SHARDKIT_TEST_CALL_DELAY="0.0015") if loaded else _env(repo_root)
         finished = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=900)
@@ -138,7 +136,9 @@ def test_modules_imported_later_do_not_change_what_a_seed_draws(tmp_path: Path) 
     from hypothesis.internal.conjecture import providers
 
     collected = providers._get_local_constants().integers
-    assert 1_000_003 + 777 in collected, "the module's constants are collected outside the hook: the test proves nothing"
+    assert 1_000_003 + 777 in collected, (
+        "the module's constants are collected outside the hook: the test proves nothing"
+    )
 
 
 SUITE = """

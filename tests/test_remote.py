@@ -580,7 +580,10 @@ def test_shardkit_serve_serves_a_target_until_ctrl_c(tmp_path: Path) -> None:
         (["serve", "shardkit:FakeShardEngine", "--listen", "unix:"], "a unix socket needs a path"),
         (["serve", "no_such_module:Engine"], "cannot import 'no_such_module'"),
         (["serve"], "the following arguments are required: target"),
-        (["serve", "shardkit:FakeShardEngine", "--max-engines", "0"], "--max-engines must be a positive integer, got '0'"),
+        (
+            ["serve", "shardkit:FakeShardEngine", "--max-engines", "0"],
+            "--max-engines must be a positive integer, got '0'",
+        ),
     ],
 )
 def test_serve_usage_errors_exit_2_with_one_line(
@@ -638,8 +641,18 @@ def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str)
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.8.9.10", True), ("localhost", True), ("[::1]", True), ("::1", True),
-     ("0.0.0.0", False), ("::", False), ("[::]", False), ("10.0.0.5", False), ("myhost.example", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("localhost", True),
+        ("[::1]", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("[::]", False),
+        ("10.0.0.5", False),
+        ("myhost.example", False),
+    ],
 )
 def test_only_loopback_hosts_count_as_loopback(host: str, loopback: bool) -> None:
     from shardkit.remote.server import is_loopback
@@ -651,7 +664,9 @@ def test_serve_on_every_interface_warns_in_one_line_that_it_has_no_authenticatio
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     warnings = {}
     for listen in ("0.0.0.0:0", "127.0.0.1:0"):
-        process, line = _start([sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", listen], env)
+        process, line = _start(
+            [sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", listen], env
+        )
         assert line.startswith("serving shardkit:FakeShardEngine on grpc://")
         stderr = _stop(process)
         warnings[listen] = [text for text in stderr.splitlines() if "warning" in text]
@@ -668,7 +683,9 @@ def test_a_server_keeps_at_most_max_engines_and_names_an_evicted_one(served: Cal
     engines[0].health()  # engine 1 is now the most recently used; engine 2 the least
     newest = RemoteShardEngine(server.url)
     assert server.servicer.engine_count == 3
-    with pytest.raises(RemoteEngineEvicted, match=r"engine \d+ was evicted: this server keeps at most 3 engines") as evicted:
+    with pytest.raises(
+        RemoteEngineEvicted, match=r"engine \d+ was evicted: this server keeps at most 3 engines"
+    ) as evicted:
         engines[1].health()
     assert evicted.value.code == "FAILED_PRECONDITION"
     assert "--max-engines" in str(evicted.value)
@@ -713,7 +730,9 @@ def test_messages_are_limited_on_both_ends_and_an_oversized_one_is_named(served:
     engine = RemoteShardEngine(server.url)
     engine.load(FULL)
     oversized = PrefillRequest("a", 0, 0, token_ids=(300,) * 600_000)  # about 1.2 MB on the wire
-    with pytest.raises(RemoteEngineError, match=r"prefill\(.*\): a message exceeded the size limit of one end") as refused:
+    with pytest.raises(
+        RemoteEngineError, match=r"prefill\(.*\): a message exceeded the size limit of one end"
+    ) as refused:
         engine.prefill(oversized)
     assert refused.value.code == "RESOURCE_EXHAUSTED"
     assert engine.health().status.ok  # the server is still there

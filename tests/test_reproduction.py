@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,10 @@ def test_shardkit_replay_exits_1_with_the_same_message(
     result = planted_runs[engine]
     assert main(["replay", str(_trace(result))]) == 1
     assert result.failure is not None
-    assert result.failure.violation.message in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # The whole sequence as fuzz printed it: the header, then the violation as render_failure indents it.
+    assert f"FAILURE ({result.failure.violation.property}) in {len(result.failure.records)} steps:" in out
+    assert textwrap.indent(result.failure.violation.message, "  ") in out
 
 
 def test_replay_against_the_fixed_engine_does_not_reproduce(
@@ -463,7 +467,7 @@ def test_the_printed_commands_run_as_printed_from_a_folder_with_a_space(repo_roo
     )
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr
     assert result.failure is not None
-    assert result.failure.violation.message in replayed.stdout
+    assert textwrap.indent(result.failure.violation.message, "  ") in replayed.stdout
     tested = subprocess.run(
         ["bash", "-c", f"{test_command} -p no:cacheprovider -q"],
         cwd=repo_root,

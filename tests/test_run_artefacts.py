@@ -164,7 +164,11 @@ def test_the_suite_ran_the_profile_s_examples():
     ],
 )
 def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
-    pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch, arguments: tuple[str, ...], examples: int
+    pytester: pytest.Pytester,
+    repo_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arguments: tuple[str, ...],
+    examples: int,
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(repo_root))
     pytester.makepyfile(test_suite=SUITE_WITHOUT_SETTINGS.format(examples=examples))
@@ -200,3 +204,32 @@ def test_written_files_get_the_users_umask(tmp_path: Path, umask: int) -> None:
     finally:
         os.umask(previous)
     assert written.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_step_notes_describe_each_step_as_it_runs_not_as_it_was_drawn() -> None:
+    """'# out of order' was seen on a valid step-0 prefill and '# epoch ahead' on a fresh session,
+    notes drawn for steps that shrinking had since moved."""
+    from shardkit import LoadRequest
+    from shardkit.driver import Driver
+    from shardkit.steps import Action, step_action
+    from shardkit.targets import resolve_target
+
+    driver = Driver(resolve_target(FakeShardEngine), LoadRequest("m", 0, 3, 4), faults=frozenset({"delay"}), twins=False)
+
+    def note(action: Action) -> str:
+        return driver.execute(action).action.note
+
+    assert note(step_action("prefill", "a", 0, 0, (0,), note="out of order")) == ""
+    assert note(step_action("prefill", "b", 1, 0, (0,), note="epoch ahead")) == "opens at a higher epoch"
+    assert note(step_action("prefill", "a", 0, 0, (0,))) == "resent"
+    assert note(step_action("prefill", "a", 0, 0, (1,))) == "out of order"
+    assert note(step_action("decode", "a", 0, 3, (0,))) == "out of order"
+    assert note(step_action("decode", "zz", 0, 0, (0,), note="resent")) == "unknown session"
+    assert note(step_action("prefill", "b", 0, 1, (0,))) == "stale epoch"
+    assert note(step_action("decode", "b", 2, 1, (0,))) == "epoch ahead"
+    assert note(step_action("prefill", "b", 2, 0, (0,))) == "epoch bump"
+    assert note(Action("cancel", {"session": "b", "epoch": 1})) == "stale epoch"
+    assert note(Action("cancel", {"session": "b", "epoch": 2})) == ""
+    assert note(step_action("decode", "b", 2, 1, (0,))) == "cancelled session"
+    assert note(Action("cancel", {"session": "", "epoch": 0})) == "empty session id"
+    assert note(Action("fault", {"kind": "delay", "value": 0.0}, note="kept")) == "kept"

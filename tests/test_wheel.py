@@ -37,9 +37,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin folder of a fresh environment holding shardkit installed from its wheel."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
-    ignored = shutil.ignore_patterns(".git", ".venv", ".shardkit", "__pycache__", "*.egg-info", "build", "dist", "tests")
+    ignored = shutil.ignore_patterns(
+        ".git", ".venv", ".shardkit", "__pycache__", "*.egg-info", "build", "dist", "tests"
+    )
     shutil.copytree(REPO_ROOT, source, ignore=ignored)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(work / "dist"), "./source"], work)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(work / "dist"), "./source"],
+        work,
+    )
     (wheel,) = (work / "dist").glob("shardkit-*.whl")
     environment = work / "env"
     venv.EnvBuilder(with_pip=True).create(environment)
