@@ -62,15 +62,19 @@ class Budgets:
     """How much work a run may spend, in counts, never in seconds: the same seed then
     reports the same failure on an idle laptop and on a loaded CI machine.
 
-    ``chunk_examples``: a long run is a series of Hypothesis runs of at most this many
-    examples, each seeded from the run's seed, so memory stays flat however many
-    examples are asked for. ``shrink_steps``: steps Hypothesis's shrinker may run
-    after the first failure before the replay minimiser takes over.
-    ``minimize_replays``: replays the minimiser may make. ``deepening_examples``:
-    examples of each search for a shorter failure (iterative deepening).
+    ``single_run_examples`` and ``chunk_examples``: a run of at most
+    ``single_run_examples`` is one Hypothesis run; a longer one is a series of Hypothesis
+    runs of at most ``chunk_examples`` each, seeded from the run's seed, so memory stays
+    flat however many examples are asked for (Hypothesis's bookkeeping of one run grows
+    with its examples). ``shrink_steps`` and ``shrink_examples``: steps and examples
+    Hypothesis's shrinker may run after the first failure before the replay minimiser
+    takes over, whichever runs out first. ``minimize_replays``: replays the minimiser
+    may make. ``deepening_examples``: examples of each search for a shorter failure
+    (iterative deepening).
     """
 
-    chunk_examples: int = 200
+    single_run_examples: int = 200
+    chunk_examples: int = 100
     shrink_steps: int = 30_000
     shrink_examples: int = 3_000
     minimize_replays: int = 5_000
@@ -262,10 +266,14 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def chunk_seeds(seed: int, examples: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """(seed, examples) of each bounded Hypothesis run of a long run. The first run uses
-    ``seed`` itself, so a run of at most ``chunk`` examples is one plain Hypothesis run;
-    later ones derive theirs from it, so the one printed seed still repeats everything."""
+def chunk_seeds(seed: int, examples: int, chunk: int, single_run: int = 0) -> Iterator[tuple[int, int]]:
+    """(seed, examples) of each bounded Hypothesis run of a run. A run of at most
+    ``single_run`` examples is one plain Hypothesis run from ``seed``; a longer one is
+    cut into runs of ``chunk``, the first from ``seed`` itself and the later ones from
+    seeds derived from it, so the one printed seed still repeats everything."""
+    if examples <= single_run:
+        yield seed, examples
+        return
     for index, first in enumerate(range(0, examples, chunk)):
         count = min(chunk, examples - first)
         if index == 0:
@@ -350,7 +358,8 @@ def run_machine(
     interrupted = shrink_cut = False
     try:
         with deterministic_hypothesis(), with_reporter(lambda text: print(text, file=captured)):
-            for chunk_seed, chunk_examples in chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples):
+            plan = chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples, budgets.single_run_examples)
+            for chunk_seed, chunk_examples in plan:
                 test = hypothesis_seed(chunk_seed)(machine)
                 chunk_settings = settings(run_settings, max_examples=chunk_examples, derandomize=False)
                 try:

@@ -120,15 +120,20 @@ def test_a_saved_example_of_one_engine_is_never_replayed_against_another(tmp_pat
 
 
 def test_a_long_run_is_a_series_of_bounded_runs_from_one_seed() -> None:
-    plan = list(chunk_seeds(7, 450, 200))
-    assert [count for _, count in plan] == [200, 200, 50]
+    plan = list(chunk_seeds(7, 250, 100, 200))
+    assert [count for _, count in plan] == [100, 100, 50]
     assert plan[0][0] == 7
     assert len({seed for seed, _ in plan}) == 3
-    assert plan == list(chunk_seeds(7, 450, 200))
+    assert plan == list(chunk_seeds(7, 250, 100, 200))
+    # A run no longer than single_run is one plain Hypothesis run from the seed itself.
+    assert list(chunk_seeds(7, 200, 100, 200)) == [(7, 200)]
+    defaults = Budgets()
+    assert list(chunk_seeds(7, 200, defaults.chunk_examples, defaults.single_run_examples)) == [(7, 200)]
+    assert len(list(chunk_seeds(7, 3000, defaults.chunk_examples, defaults.single_run_examples))) == 30
 
 
 def test_chunked_runs_repeat_from_their_seed() -> None:
-    small = Budgets(chunk_examples=20)
+    small = Budgets(chunk_examples=20, single_run_examples=20)
     first = fuzz(FakeShardEngine, seed=5, examples=70, steps=10, budgets=small)
     second = fuzz(FakeShardEngine, seed=5, examples=70, steps=10, budgets=small)
     assert first.failure is None
