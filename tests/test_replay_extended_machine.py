@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,9 @@ def test_shardkit_replay_rebuilds_the_machine_and_reproduces(
     assert f"machine {MODULE}:RollbackMachine (recorded in the trace" in first
     assert f"model {MODULE}:RollbackModel (recorded in the trace" in first
     assert rollback_run.failure is not None
-    assert rollback_run.failure.violation.message in out
+    # The whole sequence as fuzz printed it: the header, then the violation indented as render_failure does.
+    assert f"FAILURE ({rollback_run.failure.violation.property}) in {len(rollback_run.failure.records)} steps:" in out
+    assert textwrap.indent(rollback_run.failure.violation.message, "  ") in out
 
 
 def test_replay_from_python_needs_no_custom_ops(rollback_run: FuzzResult) -> None:
