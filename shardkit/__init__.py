@@ -32,45 +32,42 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__ as __version__
-
-# Bound now, not on first use: importing the submodule ``shardkit.replay`` (as the CLI
-# does) sets the package attribute ``replay`` to that module, hiding a lazy function.
-from .replay import replay as replay
+from shardkit._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .conformance import assert_shard_engine_contract as assert_shard_engine_contract
-    from .contract import BoundaryBundle as BoundaryBundle
-    from .contract import CacheResult as CacheResult
-    from .contract import DecodeRequest as DecodeRequest
-    from .contract import EngineCapabilities as EngineCapabilities
-    from .contract import EngineError as EngineError
-    from .contract import EngineTensor as EngineTensor
-    from .contract import Fault as Fault
-    from .contract import FaultInjectable as FaultInjectable
-    from .contract import HealthResult as HealthResult
-    from .contract import LoadRequest as LoadRequest
-    from .contract import LoadResult as LoadResult
-    from .contract import MetricsResult as MetricsResult
-    from .contract import PrefillRequest as PrefillRequest
-    from .contract import ShardEngine as ShardEngine
-    from .contract import StatusCode as StatusCode
-    from .contract import StepResult as StepResult
-    from .contract import StructuredStatus as StructuredStatus
-    from .contract import TokenOutput as TokenOutput
-    from .engines import FakeShardEngine as FakeShardEngine
-    from .engines import FakeShardEngineConfig as FakeShardEngineConfig
-    from .engines import NumpyShardEngine as NumpyShardEngine
-    from .engines.pipeline import PipelineEngine as PipelineEngine
-    from .errors import ContractViolation as ContractViolation
-    from .errors import InvalidTarget as InvalidTarget
-    from .errors import ShardkitError as ShardkitError
-    from .errors import TraceFormatError as TraceFormatError
-    from .machine import ShardMachine as ShardMachine
-    from .machine import machine_for as machine_for
-    from .model import Prediction as Prediction
-    from .model import ReferenceModel as ReferenceModel
-    from .steps import Action as Action
+    from shardkit._core.conformance import assert_shard_engine_contract as assert_shard_engine_contract
+    from shardkit._core.model import Prediction as Prediction
+    from shardkit._core.model import ReferenceModel as ReferenceModel
+    from shardkit._core.steps import Action as Action
+    from shardkit._machine.state_machine import ShardMachine as ShardMachine
+    from shardkit._machine.state_machine import machine_for as machine_for
+    from shardkit._run.replay import replay as replay
+    from shardkit.contract import BoundaryBundle as BoundaryBundle
+    from shardkit.contract import CacheResult as CacheResult
+    from shardkit.contract import DecodeRequest as DecodeRequest
+    from shardkit.contract import EngineCapabilities as EngineCapabilities
+    from shardkit.contract import EngineError as EngineError
+    from shardkit.contract import EngineTensor as EngineTensor
+    from shardkit.contract import Fault as Fault
+    from shardkit.contract import FaultInjectable as FaultInjectable
+    from shardkit.contract import HealthResult as HealthResult
+    from shardkit.contract import LoadRequest as LoadRequest
+    from shardkit.contract import LoadResult as LoadResult
+    from shardkit.contract import MetricsResult as MetricsResult
+    from shardkit.contract import PrefillRequest as PrefillRequest
+    from shardkit.contract import ShardEngine as ShardEngine
+    from shardkit.contract import StatusCode as StatusCode
+    from shardkit.contract import StepResult as StepResult
+    from shardkit.contract import StructuredStatus as StructuredStatus
+    from shardkit.contract import TokenOutput as TokenOutput
+    from shardkit.engines import FakeShardEngine as FakeShardEngine
+    from shardkit.engines import FakeShardEngineConfig as FakeShardEngineConfig
+    from shardkit.engines import NumpyShardEngine as NumpyShardEngine
+    from shardkit.engines.pipeline import PipelineEngine as PipelineEngine
+    from shardkit.errors import ContractViolation as ContractViolation
+    from shardkit.errors import InvalidTarget as InvalidTarget
+    from shardkit.errors import ShardkitError as ShardkitError
+    from shardkit.errors import TraceFormatError as TraceFormatError
 
 __all__ = [
     "Action",
@@ -110,7 +107,7 @@ __all__ = [
 
 #: Where each public name lives.
 _HOMES = {
-    "Action": ".steps",
+    "Action": "._core.steps",
     "BoundaryBundle": ".contract",
     "CacheResult": ".contract",
     "ContractViolation": ".errors",
@@ -129,19 +126,20 @@ _HOMES = {
     "MetricsResult": ".contract",
     "NumpyShardEngine": ".engines",
     "PipelineEngine": ".engines.pipeline",
-    "Prediction": ".model",
+    "Prediction": "._core.model",
     "PrefillRequest": ".contract",
-    "ReferenceModel": ".model",
+    "ReferenceModel": "._core.model",
     "ShardEngine": ".contract",
-    "ShardMachine": ".machine",
+    "ShardMachine": "._machine.state_machine",
     "ShardkitError": ".errors",
     "StatusCode": ".contract",
     "StepResult": ".contract",
     "StructuredStatus": ".contract",
     "TokenOutput": ".contract",
     "TraceFormatError": ".errors",
-    "assert_shard_engine_contract": ".conformance",
-    "machine_for": ".machine",
+    "assert_shard_engine_contract": "._core.conformance",
+    "machine_for": "._machine.state_machine",
+    "replay": "._run.replay",
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 # Registers the shardkit-* profiles as pytest loads this plugin, before Hypothesis's own
 # plugin loads the profile --hypothesis-profile names.
-from . import _profiles
+from shardkit._machine import profiles as _profiles
 
 __all__ = ["SessionOverrides", "session_overrides"]
 
@@ -38,7 +38,7 @@ def session_overrides() -> SessionOverrides:
 
 
 def _seed(text: str) -> int:
-    from .runner import parse_seed
+    from shardkit._run.runner import parse_seed
 
     try:
         return parse_seed(text, SEED_OPTION)
@@ -78,7 +78,7 @@ def pytest_configure(config: pytest.Config) -> None:
     seed_text = config.getoption("shardkit_seed")
     out = config.getoption("shardkit_out")
     if engine is not None:
-        from .targets import resolve_target
+        from shardkit._core.targets import resolve_target
 
         try:
             resolve_target(engine)
@@ -109,7 +109,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
     if report.failed and call.when == "call":
-        from .runner import rerun_hint
+        from shardkit._run.runner import rerun_hint
 
         hint = rerun_hint(getattr(getattr(item, "cls", None), "runTest", None))
         if hint is not None:

@@ -43,10 +43,10 @@ from shardkit import (
     StructuredStatus,
     machine_for,
 )
-from shardkit.driver import CustomOp
-from shardkit.machine import step_rule
-from shardkit.model import input_chunk, input_length
-from shardkit.runner import fuzz
+from shardkit._core.driver import CustomOp
+from shardkit._core.model import input_chunk, input_length
+from shardkit._machine.state_machine import step_rule
+from shardkit._run.runner import fuzz
 
 StepRequest = PrefillRequest | DecodeRequest
 

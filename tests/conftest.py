@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.runner import FuzzResult, fuzz
-
-from .planted import PLANTED, PlantedEngine
+from shardkit._run.runner import FuzzResult, fuzz
+from tests.planted import PLANTED, PlantedEngine
 
 pytest_plugins = ["pytester"]
 

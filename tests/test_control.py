@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine
+from shardkit._run.runner import fuzz
 from shardkit.contract import (
     DecodeRequest,
     EngineCapabilities,
@@ -41,7 +42,6 @@ from shardkit.contract import (
     StepResult,
     StructuredStatus,
 )
-from shardkit.runner import fuzz
 
 NIGHTLY = os.environ.get("SHARDKIT_NIGHTLY") == "1"
 REQUIRE_LLAMA = os.environ.get("SHARDKIT_REQUIRE_LLAMA") == "1"
@@ -192,7 +192,7 @@ def test_no_false_alarm_on_a_bundled_engine(case: Case, tmp_path: Path) -> None:
 
 def test_the_sweep_reports_a_bug_of_an_engine(tmp_path: Path) -> None:
     """The control suite can fail: the same sweep, at the same size, on a planted bug."""
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     case = Case("planted", "boundary", "full", lambda: BoundaryOnly(ReleaseLeaksKvTokens()), FAST)
     failures = sweep(case, SEEDS, tmp_path, stop_at_first=True)

@@ -73,7 +73,7 @@ def test_every_public_name_is_its_object_even_after_every_submodule_is_imported(
     import types
 
     for module in pkgutil.walk_packages(shardkit.__path__, "shardkit."):
-        if module.name.startswith(("shardkit.proto", "shardkit.remote", "shardkit.engines.llama_cpp")):
+        if module.name.startswith(("shardkit.proto", "shardkit.remote", "shardkit._transport", "shardkit.engines.llama_cpp")):
             continue  # optional extras
         if module.name == "shardkit.__main__":
             continue  # runs the command
@@ -88,6 +88,6 @@ def test_a_worker_process_does_not_import_hypothesis() -> None:
     import subprocess
     import sys
 
-    probe = "import sys, shardkit.cli, shardkit.remote.server; print('hypothesis' in sys.modules)"
+    probe = "import sys, shardkit._cli.main, shardkit._transport.server; print('hypothesis' in sys.modules)"
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "False"

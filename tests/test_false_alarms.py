@@ -17,6 +17,11 @@ import numpy.typing as npt
 import pytest
 
 from shardkit import FakeShardEngine
+from shardkit._core.driver import KIT_BUG_ENDING, CustomOp, Driver, StepFailed
+from shardkit._core.faults import corrupt_output
+from shardkit._core.model import Prediction, ReferenceModel
+from shardkit._core.steps import Action, step_action
+from shardkit._core.targets import resolve_target
 from shardkit.contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
@@ -31,13 +36,8 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.driver import KIT_BUG_ENDING, CustomOp, Driver, StepFailed
 from shardkit.engines._sessions import EngineSpec, Produced, SessionEngine, StepInput
 from shardkit.errors import KitBug, UsageError
-from shardkit.faults import corrupt_output
-from shardkit.model import Prediction, ReferenceModel
-from shardkit.steps import Action, step_action
-from shardkit.targets import resolve_target
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 HEAD = LoadRequest("shardkit-fuzz", 0, 1, 4)
@@ -313,7 +313,7 @@ def test_an_injection_the_kit_cannot_check_is_a_kit_bug() -> None:
 
 
 def test_a_boundary_corruption_that_changes_nothing_is_a_kit_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shardkit.faults.corrupt_output", lambda output, caps: output)
+    monkeypatch.setattr("shardkit._core.faults.corrupt_output", lambda output, caps: output)
     for load in (FULL, HEAD):
         driver = driver_for(NoNativeFaults, load)
         driver.execute(fault("malformed_output"))

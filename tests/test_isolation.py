@@ -18,17 +18,16 @@ from pathlib import Path
 import pytest
 
 from shardkit import FakeShardEngine, LoadRequest
-from shardkit.cli import main
-from shardkit.driver import Driver
+from shardkit._cli.main import main
+from shardkit._core.driver import Driver
+from shardkit._core.steps import Action, step_action
+from shardkit._machine.state_machine import machine_for
+from shardkit._run.replay import load_trace, replay
+from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._transport.client import RemoteProtocolError
+from shardkit._transport.isolation import IsolationOptions, isolated_target, target_with_options
 from shardkit.errors import InvalidTarget, ShardkitError
-from shardkit.isolation import IsolationOptions, isolated_target, target_with_options
-from shardkit.machine import machine_for
-from shardkit.remote.client import RemoteProtocolError
-from shardkit.replay import load_trace, replay
-from shardkit.runner import FuzzResult, fuzz
-from shardkit.steps import Action, step_action
-
-from .planted.dying import DYING, DyingEngine
+from tests.planted.dying import DYING, DyingEngine
 
 pytest.importorskip("grpc")
 
@@ -202,7 +201,7 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
         textwrap.dedent(
             """
             import os
-            from shardkit.isolation import isolated_target
+            from shardkit._transport.isolation import isolated_target
             target = isolated_target("shardkit:FakeShardEngine")
             target()
             print(target.isolation.pids[0], flush=True)

@@ -7,9 +7,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
-from shardkit.runner import FuzzResult, fuzz
-
-from .planted import PLANTED, PlantedEngine, names_its_property
+from shardkit._run.runner import FuzzResult, fuzz
+from tests.planted import PLANTED, PlantedEngine, names_its_property
 
 #: Every outcome SPEC §2 allows for each operation (UNAVAILABLE comes from calls
 #: to a never-loaded engine; fault injections answer OK).
@@ -59,7 +58,7 @@ def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
 
 
 def test_a_failure_message_names_the_step_the_call_and_the_rule() -> None:
-    from .planted import StaleEpochAccepted
+    from tests.planted import StaleEpochAccepted
 
     result = fuzz(StaleEpochAccepted, seed=3, examples=200, steps=50, role="full")
     assert result.failure is not None
@@ -157,7 +156,7 @@ def test_bad_machine_options_are_clear_errors() -> None:
 
 
 def test_the_same_seed_gives_the_same_failure_and_steps() -> None:
-    from .planted import SessionStateBleeds
+    from tests.planted import SessionStateBleeds
 
     first = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
     second = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
@@ -177,7 +176,7 @@ def test_without_twins_the_malformed_output_fault_is_left_out_or_refused() -> No
 
 def test_a_reference_engine_fuzzes_the_target_differentially() -> None:
     """Twins built from another implementation: the fake agrees with itself, a chunking bug does not."""
-    from .planted import OutputDependsOnChunking
+    from tests.planted import OutputDependsOnChunking
 
     clean = fuzz(FakeShardEngine, seed=2, examples=60, steps=40, role="full", reference="shardkit:FakeShardEngine")
     assert clean.failure is None, clean.failure and clean.failure.violation.message

@@ -45,7 +45,10 @@ from shardkit import (
     TokenOutput,
     assert_shard_engine_contract,
 )
-from shardkit.cli import main
+from shardkit._cli.main import main
+from shardkit._core.targets import EngineLost, resolve_target
+from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._transport.server import ShardEngineServicer
 from shardkit.contract import FAULT_KINDS
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
@@ -62,11 +65,7 @@ from shardkit.remote import (
     codec,
     serve,
 )
-from shardkit.remote.server import ShardEngineServicer
-from shardkit.runner import FuzzResult, fuzz
-from shardkit.targets import EngineLost, resolve_target
-
-from .planted import DelegatingEngine
+from tests.planted import DelegatingEngine
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "standalone_worker.py"
@@ -655,7 +654,7 @@ def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str)
     ],
 )
 def test_only_loopback_hosts_count_as_loopback(host: str, loopback: bool) -> None:
-    from shardkit.remote.server import is_loopback
+    from shardkit._transport.server import is_loopback
 
     assert is_loopback(host) is loopback
 

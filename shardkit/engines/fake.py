@@ -26,8 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shardkit.contract import LoadRequest, Role
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
+from shardkit.engines._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
 
 __all__ = ["FakeEngineCrash", "FakeShardEngine", "FakeShardEngineConfig"]
 

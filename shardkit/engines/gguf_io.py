@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..errors import ShardkitError
-from .llama_weights import LAYER_TENSORS, LlamaConfig, LlamaLayer, LlamaWeights, Matrix, random_weights
+from shardkit.engines.llama_weights import LAYER_TENSORS, LlamaConfig, LlamaLayer, LlamaWeights, Matrix, random_weights
+from shardkit.errors import ShardkitError
 
 if TYPE_CHECKING:
     import gguf

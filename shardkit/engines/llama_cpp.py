@@ -28,8 +28,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shardkit.contract import EngineError, LoadRequest, Role, StatusCode, StructuredStatus
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
+from shardkit.engines._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
 
 __all__ = ["LlamaCppEngineCrash", "LlamaCppShardEngine", "numpy_reference", "tiny_gguf_path"]
 
@@ -50,7 +49,7 @@ def tiny_gguf_path() -> Path:
     folder = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "shardkit-cache")
     path = folder / "tiny-llama-f32-seed0.gguf"
     if not path.is_file():
-        from .gguf_io import write_tiny_llama_gguf
+        from shardkit.engines.gguf_io import write_tiny_llama_gguf
 
         write_tiny_llama_gguf(path)
     return path
@@ -60,14 +59,14 @@ def numpy_reference() -> Any:
     """A ``NumpyShardEngine`` on the same tiny GGUF: the reference for differential fuzzing
     (``shardkit fuzz shardkit.engines.llama_cpp:LlamaCppShardEngine --reference
     shardkit.engines.llama_cpp:numpy_reference``)."""
-    from .numpy_llama import NumpyShardEngine
+    from shardkit.engines.numpy_llama import NumpyShardEngine
 
     return NumpyShardEngine(_tiny_weights())
 
 
 @functools.cache
 def _tiny_weights() -> Any:
-    from .gguf_io import read_llama_gguf
+    from shardkit.engines.gguf_io import read_llama_gguf
 
     return read_llama_gguf(tiny_gguf_path())
 

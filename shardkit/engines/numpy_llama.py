@@ -28,9 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shardkit.contract import LoadRequest, Role
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
-from .llama_weights import LlamaConfig, LlamaLayer, LlamaWeights, random_weights
+from shardkit.engines._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
+from shardkit.engines.llama_weights import LlamaConfig, LlamaLayer, LlamaWeights, random_weights
 
 __all__ = ["ARCHITECTURE", "NumpyEngineCrash", "NumpyShardEngine", "default_weights"]
 

@@ -72,9 +72,8 @@ from shardkit.contract import (
     TokenOutput,
     role_of,
 )
+from shardkit.engines._sessions import identity_problem, refusal
 from shardkit.engines.fake import FakeShardEngine
-
-from ._sessions import identity_problem, refusal
 
 __all__ = ["PipelineEngine"]
 

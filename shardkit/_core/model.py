@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from .contract import (
+from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
     EPOCH_STEP_LIMIT,
     RESIDUAL_TENSOR,

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .contract import (
+from shardkit.contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
     DecodeRequest,
@@ -32,7 +32,7 @@ from .contract import (
     StructuredStatus,
     TokenOutput,
 )
-from .errors import ShardkitError
+from shardkit.errors import ShardkitError
 
 __all__ = ["BOUNDARY_FAULTS", "FaultInjectingEngine", "InjectedCrash", "corrupt_output"]
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from .contract import EngineError, ShardEngine
-from .errors import InvalidTarget
+from shardkit.contract import EngineError, ShardEngine
+from shardkit.errors import InvalidTarget
 
 if TYPE_CHECKING:
-    from .isolation import Isolation
+    from shardkit._transport.isolation import Isolation
 
 __all__ = ["DEFAULT_TARGET", "EngineFactory", "EngineLost", "ResolvedTarget", "describe_exception", "resolve_target"]
 
@@ -66,7 +66,7 @@ class ResolvedTarget:
     """A factory that checks what it builds, and the name to print and record.
 
     ``isolation`` is set when every engine it builds lives in a child process
-    (``shardkit.isolation.isolated_target``)."""
+    (``shardkit._transport.isolation.isolated_target``)."""
 
     name: str
     build: EngineFactory
@@ -141,7 +141,7 @@ def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarg
     if isinstance(target, str) and target.startswith(("grpc://", "unix:")):
         # A remote engine: each call asks the server there for a fresh engine.
         try:
-            from .remote.client import remote_target
+            from shardkit._transport.client import remote_target
         except ImportError as error:
             message = f"engine target {target!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
             raise InvalidTarget(message) from error

@@ -37,13 +37,13 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from .._version import __version__
-from ..contract import DecodeRequest, EngineError, FaultInjectable, PrefillRequest, ShardEngine
-from ..errors import ShardkitError
-from ..proto import shard_engine_pb2 as pb
-from ..proto import shard_engine_pb2_grpc as pb_grpc
-from ..targets import EngineFactory, ResolvedTarget, resolve_target
-from . import codec
+from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._transport import codec
+from shardkit._version import __version__
+from shardkit.contract import DecodeRequest, EngineError, FaultInjectable, PrefillRequest, ShardEngine
+from shardkit.errors import ShardkitError
+from shardkit.proto import shard_engine_pb2 as pb
+from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_MAX_ENGINES",

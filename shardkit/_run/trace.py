@@ -25,13 +25,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .contract import LoadRequest
-from .driver import StepRecord, Violation
-from .isolation import IsolationOptions
+from shardkit._core.driver import StepRecord, Violation
+from shardkit._transport.isolation import IsolationOptions
+from shardkit._version import __version__
+from shardkit.contract import LoadRequest
 
 if TYPE_CHECKING:
-    from .machine import ShardMachine
+    from shardkit._machine.state_machine import ShardMachine
 
 __all__ = [
     "DEFAULT_OUT",
@@ -45,7 +45,7 @@ __all__ = [
     "write_atomically",
 ]
 
-#: The module name ``shardkit.targets`` gives a ``file.py:attr`` target's file when it imports it.
+#: The module name ``shardkit._core.targets`` gives a ``file.py:attr`` target's file when it imports it.
 FILE_MODULE_PREFIX = "_shardkit_target_"
 
 #: Where failure traces and regression tests go unless told otherwise.
@@ -202,8 +202,8 @@ def machine_fields(machine: type[ShardMachine] | None) -> dict[str, str | None]:
     ``machine_path`` and ``model_path``), or ``needs_python`` saying why they cannot be."""
     if machine is None:
         return {}
-    from .machine import ShardMachine
-    from .model import ReferenceModel
+    from shardkit._core.model import ReferenceModel
+    from shardkit._machine.state_machine import ShardMachine
 
     # machine_for (and the runner's probes) subclass the user's class: record the one the user wrote.
     base = machine.build_options.get("base", machine) if machine.build_options else machine

@@ -64,14 +64,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .contract import FAULT_KINDS, LoadRequest, ShardEngine
-from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation
-from .errors import InvalidTarget, TraceFormatError, UntrustedTarget
-from .isolation import IsolationOptions, target_with_options
-from .model import ReferenceModel
-from .steps import Action, known_malformations
-from .targets import EngineFactory, ResolvedTarget, resolve_target
-from .trace import TRACE_FORMAT, TRACE_VERSION, find_module_spec
+from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
+from shardkit._core.model import ReferenceModel
+from shardkit._core.steps import Action, known_malformations
+from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._run.trace import TRACE_FORMAT, TRACE_VERSION, find_module_spec
+from shardkit._transport.isolation import IsolationOptions, target_with_options
+from shardkit.contract import FAULT_KINDS, LoadRequest, ShardEngine
+from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
 __all__ = [
     "MAX_TRACE_BYTES",
@@ -93,7 +93,7 @@ MAX_INT = 2**64
 MAX_DELAY_SECONDS = 10.0
 MAX_RECIPE_KEYS = 256
 BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
-#: Keys that say where a recorded name's code lives (see ``shardkit.trace.code_location``).
+#: Keys that say where a recorded name's code lives (see ``shardkit._run.trace.code_location``).
 LOCATION_KEYS = tuple(
     f"{role}_{kind}" for role in ("target", "reference", "machine", "model") for kind in ("file", "path")
 )
@@ -727,7 +727,7 @@ def _resolve_admitted(trace: Trace, admitted: _Admitted) -> object:
 def _check_defined_inside(trace: Trace, admitted: _Admitted, value: object) -> None:
     """What a trusted name reaches must not be the standard library's, as ``project_module:os.abort``
     or ``project_module:exit`` would be; and a shardkit name must be a kit engine, machine or model."""
-    from .machine import ShardMachine
+    from shardkit._machine.state_machine import ShardMachine
 
     module = admitted.name.rpartition(":")[0]
     defined_in = getattr(value, "__module__", None)
@@ -758,7 +758,7 @@ def _standard_library(path: Path) -> bool:
 
 
 def _build_machine(trace: Trace, admitted: _Admitted) -> Any:
-    from .machine import ShardMachine
+    from shardkit._machine.state_machine import ShardMachine
 
     machine = _resolve_admitted(trace, admitted)
     if not (isinstance(machine, type) and issubclass(machine, ShardMachine)):

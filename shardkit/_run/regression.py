@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from ._version import __version__
-from .driver import Violation
+from shardkit._core.driver import Violation
+from shardkit._version import __version__
 
 __all__ = ["regression_test_source"]
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.replay import PreparedReplay, prepare_replay
+from shardkit._run.replay import PreparedReplay, prepare_replay
 
 TRACE = Path(__file__).with_name({trace_name!r})
 

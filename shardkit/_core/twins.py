@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
-from .contract import (
+from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
+from shardkit._core.model import StepRequest
+from shardkit._core.steps import Action, build_request, step_action
+from shardkit._core.targets import short_name
+from shardkit.contract import (
     BoundaryBundle,
     EngineCapabilities,
     EngineError,
@@ -24,9 +27,6 @@ from .contract import (
     StepResult,
     StructuredStatus,
 )
-from .model import StepRequest
-from .steps import Action, build_request, step_action
-from .targets import short_name
 
 __all__ = ["OracleFailure", "TwinSession", "split_ranges"]
 

@@ -29,18 +29,18 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from ._hypothesis_compat import deterministic_hypothesis
-from ._profiles import suite_settings, time_independent
-from ._version import __version__
-from .contract import Role
-from .driver import StepFailed
-from .isolation import IsolationOptions
-from .machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, machine_for
-from .minimize import MinimizedFailure, minimize_failure
-from .model import ReferenceModel
-from .regression import regression_test_source
-from .targets import EngineFactory, ResolvedTarget, short_name
-from .trace import DEFAULT_OUT, trace_document, write_atomically
+from shardkit._core.driver import StepFailed
+from shardkit._core.model import ReferenceModel
+from shardkit._core.targets import EngineFactory, ResolvedTarget, short_name
+from shardkit._machine.hypothesis_adapter import deterministic_hypothesis
+from shardkit._machine.minimize import MinimizedFailure, minimize_failure
+from shardkit._machine.profiles import suite_settings, time_independent
+from shardkit._machine.state_machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, machine_for
+from shardkit._run.regression import regression_test_source
+from shardkit._run.trace import DEFAULT_OUT, trace_document, write_atomically
+from shardkit._transport.isolation import IsolationOptions
+from shardkit._version import __version__
+from shardkit.contract import Role
 
 __all__ = [
     "DEFAULT_OUT",
@@ -570,8 +570,8 @@ def run_as_test(machine: type[ShardMachine], explicit_settings: settings | None)
     With ``--shardkit-seed N`` the run is exactly ``shardkit fuzz … --seed N`` (same
     settings, no example database); otherwise it runs under the suite's settings or profile
     (``_profiles.suite_settings``) with a seed derived as ``suite_seed`` says."""
-    from .pytest_plugin import session_overrides
-    from .report import render_failure
+    from shardkit._run.report import render_failure
+    from shardkit.pytest_plugin import session_overrides
 
     __tracebackhide__ = True  # pytest: show the failure, not the runner's frames
     overrides = session_overrides()

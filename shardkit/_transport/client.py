@@ -36,8 +36,10 @@ from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from .._version import __version__
-from ..contract import (
+from shardkit._core.targets import EngineLost, ResolvedTarget
+from shardkit._transport import codec
+from shardkit._version import __version__
+from shardkit.contract import (
     DecodeRequest,
     EngineCapabilities,
     EngineError,
@@ -51,11 +53,9 @@ from ..contract import (
     StepResult,
     StructuredStatus,
 )
-from ..errors import InvalidTarget, ShardkitError
-from ..proto import shard_engine_pb2 as pb
-from ..proto import shard_engine_pb2_grpc as pb_grpc
-from ..targets import EngineLost, ResolvedTarget
-from . import codec
+from shardkit.errors import InvalidTarget, ShardkitError
+from shardkit.proto import shard_engine_pb2 as pb
+from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
@@ -189,7 +189,7 @@ class _Connection:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             message = (
                 f"{self.url}: {operation}: a message exceeded the size limit of one end "
-                f"(this client's is {codec.MAX_MESSAGE_BYTES // 2**20} MiB, shardkit.remote.codec.MAX_MESSAGE_BYTES): {details}"
+                f"(this client's is {codec.MAX_MESSAGE_BYTES // 2**20} MiB, shardkit.remote.MAX_MESSAGE_BYTES): {details}"
             )
             return RemoteEngineError(message, code=code.name, **where)
         if code == grpc.StatusCode.UNIMPLEMENTED:

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .contract import (
+from shardkit._core.model import SessionState, StepRequest
+from shardkit.contract import (
     EPOCH_STEP_LIMIT,
     OUTPUT_BOUNDARY_POINT,
     RESIDUAL_TENSOR,
@@ -25,7 +26,6 @@ from .contract import (
     EngineTensor,
     PrefillRequest,
 )
-from .model import SessionState, StepRequest
 
 __all__ = [
     "BUNDLE_MALFORMATIONS",

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import TextIO
 
-from .runner import FuzzResult
+from shardkit._run.runner import FuzzResult
 
 __all__ = ["counts_line", "coverage_table", "print_summary", "render_failure"]
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import InvalidTarget
-from .targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit.errors import InvalidTarget
 
 __all__ = [
     "DEFAULT_STEP_TIMEOUT",
@@ -128,7 +128,7 @@ def isolated_target(
         raise InvalidTarget(message)
     resolve_target(name)  # the child will import it by this name: refuse a name that does not import here
     try:
-        from .remote.worker import WorkerPool
+        from shardkit._transport.worker import WorkerPool
     except ImportError as error:
         message = f"--isolate needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise InvalidTarget(message) from error
@@ -164,7 +164,7 @@ def target_with_options(
         return resolve_target(target)
     IsolationOptions(step_timeout)  # validates it
     if isinstance(target, str) and target.startswith(("grpc://", "unix:")):
-        from .remote.client import remote_target
+        from shardkit._transport.client import remote_target
 
         return remote_target(target, timeout_seconds=step_timeout)
     message = "step_timeout (--step-timeout) is the deadline of calls to another process: it needs isolate=True (--isolate) or a grpc:// or unix: target"

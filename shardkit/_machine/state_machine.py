@@ -22,14 +22,14 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
-from . import _profiles  # noqa: F401  (registers the shardkit-* profiles)
-from .contract import EPOCH_STEP_LIMIT, FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
-from .driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
-from .errors import ShardkitError
-from .isolation import IsolationOptions, target_with_options
-from .model import ReferenceModel
-from .steps import Action, malformations_for, step_action
-from .targets import EngineFactory, ResolvedTarget, resolve_target, short_name
+from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
+from shardkit._core.model import ReferenceModel
+from shardkit._core.steps import Action, malformations_for, step_action
+from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target, short_name
+from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles
+from shardkit._transport.isolation import IsolationOptions, target_with_options
+from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
+from shardkit.errors import ShardkitError
 
 __all__ = [
     "ROLES",
@@ -211,7 +211,7 @@ class ShardMachine(RuleBasedStateMachine):
 
             def runTest(self) -> None:
                 __tracebackhide__ = True
-                from .runner import run_as_test
+                from shardkit._run.runner import run_as_test
 
                 run_as_test(machine, self.settings)
 
@@ -442,7 +442,7 @@ def machine_for(
     the target differentially against it (same statuses, same outputs); ``model`` builds the reference model (subclass it to extend the
     rules, see stateful/test_extending_rules.py); ``base`` is the machine class to
     extend with the fault rules. ``isolate`` runs every engine in a child process (see
-    ``shardkit.isolation``), whose calls get ``step_timeout`` seconds each and whose
+    ``--isolate`` in docs/remote.md), whose calls get ``step_timeout`` seconds each and whose
     memory ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
     """
     if role == "any":

@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from .conformance import assert_shard_engine_contract
-from .contract import DecodeRequest, LoadRequest, PrefillRequest
-from .engines import FakeShardEngine
-from .errors import ContractViolation, InvalidTarget
-from .machine import ROLES, FailureReport, ShardMachine, machine_for
-from .runner import fuzz
-from .targets import resolve_target
+from shardkit._core.conformance import assert_shard_engine_contract
+from shardkit._core.targets import resolve_target
+from shardkit._machine.state_machine import ROLES, FailureReport, ShardMachine, machine_for
+from shardkit._run.runner import fuzz
+from shardkit.contract import DecodeRequest, LoadRequest, PrefillRequest
+from shardkit.engines import FakeShardEngine
+from shardkit.errors import ContractViolation, InvalidTarget
 
 __all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
 
@@ -147,8 +147,8 @@ def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
     (``--isolate``): the same seed, so the same steps, at different costs."""
     try:
-        from .isolation import isolated_target
-        from .remote.client import close_connection
+        from shardkit._transport.client import close_connection
+        from shardkit._transport.isolation import isolated_target
     except ImportError as error:
         return f"skipped: needs the grpc extra ({error})"
     rows: dict[str, Any] = {}
@@ -244,7 +244,7 @@ def _rounded(value: float | None) -> float | None:
 _MEMORY_PROBE = """
 import sys
 from shardkit import FakeShardEngine
-from shardkit.runner import fuzz
+from shardkit._run.runner import fuzz
 
 fuzz(FakeShardEngine, seed=int(sys.argv[1]), examples=int(sys.argv[2]), steps=int(sys.argv[3]))
 with open("/proc/self/status") as status:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ..contract import (
+from shardkit.contract import (
     BoundaryBundle,
     CacheResult,
     DecodeRequest,
@@ -41,8 +41,8 @@ from ..contract import (
     StructuredStatus,
     TokenOutput,
 )
-from ..errors import ShardkitError
-from ..proto import shard_engine_pb2 as pb
+from shardkit.errors import ShardkitError
+from shardkit.proto import shard_engine_pb2 as pb
 
 __all__ = [
     "GRPC_OPTIONS",

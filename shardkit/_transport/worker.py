@@ -29,10 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..contract import ShardEngine
-from ..errors import InvalidTarget
-from ..isolation import IsolationOptions, ProcessDeath
-from .client import (
+from shardkit._transport.client import (
     RemoteDeadlineExceeded,
     RemoteEngineCrashed,
     RemoteEngineError,
@@ -40,7 +37,10 @@ from .client import (
     RemoteUnavailable,
     close_connection,
 )
-from .server import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
+from shardkit._transport.isolation import IsolationOptions, ProcessDeath
+from shardkit._transport.server import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
+from shardkit.contract import ShardEngine
+from shardkit.errors import InvalidTarget
 
 __all__ = ["WorkerPool", "live_worker_pids", "watch_parent"]
 

@@ -22,13 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from shardkit._core.targets import DEFAULT_TARGET, EngineLost, ResolvedTarget, describe_exception, resolve_target
+from shardkit._run.trace import DEFAULT_OUT, write_atomically
+
 # Imports stay light here: `shardkit serve --worker` starts through this module, once per
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
-from ._version import __version__
-from .contract import FAULT_KINDS, ROLES, EngineError
-from .errors import ContractViolation, KitBug, ShardkitError, UsageError
-from .targets import DEFAULT_TARGET, EngineLost, ResolvedTarget, describe_exception, resolve_target
-from .trace import DEFAULT_OUT, write_atomically
+from shardkit._version import __version__
+from shardkit.contract import FAULT_KINDS, ROLES, EngineError
+from shardkit.errors import ContractViolation, KitBug, ShardkitError, UsageError
 
 __all__ = ["main"]
 
@@ -57,7 +58,7 @@ def _positive_int(name: str) -> type[int]:
 
 
 def _seed(text: str) -> int:
-    from .runner import parse_seed
+    from shardkit._run.runner import parse_seed
 
     try:
         return parse_seed(text, "--seed")
@@ -123,7 +124,7 @@ def _check_isolation_options(command: str, args: argparse.Namespace, target: str
 
 
 def _faults(text: str) -> str:
-    from .machine import parse_faults
+    from shardkit._machine.state_machine import parse_faults
 
     try:
         parse_faults(text)
@@ -315,8 +316,8 @@ def _in_progress_traces(out: Path) -> dict[Path, int]:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from .report import print_summary
-    from .runner import fuzz, report_document
+    from shardkit._run.report import print_summary
+    from shardkit._run.runner import fuzz, report_document
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
@@ -434,8 +435,8 @@ class _Progress:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .isolation import IsolationOptions, target_with_options
-    from .replay import read_trace, replay
+    from shardkit._run.replay import read_trace, replay
+    from shardkit._transport.isolation import IsolationOptions, target_with_options
 
     _check_isolation_options("replay", args, args.engine)
     engine: str | ResolvedTarget | None = args.engine
@@ -471,7 +472,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import BenchSettings, render, run_bench
+    from shardkit._cli.bench import BenchSettings, render, run_bench
 
     planted = None if args.planted == "none" else args.planted
     if planted is not None:
@@ -491,7 +492,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _contract(args: argparse.Namespace) -> int:
-    from . import assert_shard_engine_contract
+    from shardkit import assert_shard_engine_contract
 
     target = resolve_target(args.target)
     try:
@@ -507,7 +508,7 @@ def _contract(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .remote.server import is_loopback, parse_listen, serve
+        from shardkit._transport.server import is_loopback, parse_listen, serve
     except ImportError as error:
         message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise UsageError(message) from None
@@ -516,7 +517,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(f"shardkit serve: {error}") from None
     if args.worker:
-        from .remote.worker import watch_parent
+        from shardkit._transport.worker import watch_parent
 
         # A native crash in the engine still leaves its Python stack in the worker's log.
         faulthandler.enable(sys.stderr, all_threads=False)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import output_problems
-from .contract import (
+from shardkit._core.checks import output_problems
+from shardkit._core.model import Prediction, ReferenceModel, StepRequest
+from shardkit._core.steps import synthetic_bundle
+from shardkit.contract import (
     BoundaryBundle,
     DecodeRequest,
     EngineError,
@@ -28,9 +30,7 @@ from .contract import (
     StepResult,
     role_of,
 )
-from .errors import ContractViolation
-from .model import Prediction, ReferenceModel, StepRequest
-from .steps import synthetic_bundle
+from shardkit.errors import ContractViolation
 
 __all__ = ["CONTRACT_CHECKS", "assert_shard_engine_contract"]
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .contract import (
+from shardkit._core.model import StepRequest, input_length
+from shardkit.contract import (
     OUTPUT_BOUNDARY_POINT,
     RESIDUAL_TENSOR,
     BoundaryBundle,
@@ -20,7 +21,6 @@ from .contract import (
     StepResult,
     TokenOutput,
 )
-from .model import StepRequest, input_length
 
 __all__ = ["HistoryMemo", "Payload", "output_problems", "payload_difference", "payloads_of"]
 

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .driver import Driver, StepFailed
-from .machine import Choice, FailureReport, RunStats, ShardMachine
-from .steps import Action
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.steps import Action
+from shardkit._machine.state_machine import Choice, FailureReport, RunStats, ShardMachine
 
 __all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]
 

@@ -17,8 +17,14 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from .checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
-from .contract import (
+from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
+from shardkit._core.faults import BOUNDARY_FAULTS, FaultInjectingEngine
+from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
+from shardkit._core.steps import Action, build_request, step_note
+from shardkit._core.targets import EngineLost, ResolvedTarget, describe_exception
+from shardkit._core.twins import OracleFailure, TwinSession
+from shardkit._transport.isolation import ProcessDeath
+from shardkit.contract import (
     CacheResult,
     EngineCapabilities,
     EngineError,
@@ -34,13 +40,7 @@ from .contract import (
     StructuredStatus,
     TokenOutput,
 )
-from .errors import InvalidTarget, KitBug, ShardkitError, UsageError
-from .faults import BOUNDARY_FAULTS, FaultInjectingEngine
-from .isolation import ProcessDeath
-from .model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
-from .steps import Action, build_request, step_note
-from .targets import EngineLost, ResolvedTarget, describe_exception
-from .twins import OracleFailure, TwinSession
+from shardkit.errors import InvalidTarget, KitBug, ShardkitError, UsageError
 
 __all__ = ["CustomOp", "Driver", "StepFailed", "StepRecord", "Violation", "usable_faults"]
 
