@@ -19,9 +19,9 @@ import pytest
 from shardkit import FakeShardEngine, FakeShardEngineConfig
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
-from shardkit._core.targets import resolve_target
 from shardkit._core.twins import TWIN_SESSION
 from shardkit._run.runner import fuzz
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     DecodeRequest,
     EngineCapabilities,

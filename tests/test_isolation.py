@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import FakeShardEngine, LoadRequest
+from shardkit import FakeShardEngine, LoadRequest, machine_for
 from shardkit._cli.main import main
 from shardkit._core.driver import Driver
 from shardkit._core.steps import Action, step_action
-from shardkit._machine.state_machine import machine_for
+from shardkit._core.targets import IsolationOptions
 from shardkit._run.replay import load_trace, replay
 from shardkit._run.runner import FuzzResult, fuzz
-from shardkit._transport.client import RemoteProtocolError
-from shardkit._transport.isolation import IsolationOptions, isolated_target, target_with_options
-from shardkit.errors import InvalidTarget, ShardkitError
+from shardkit._transport.isolation import isolated_target, target_with_options
+from shardkit.errors import InvalidTarget, RemoteProtocolError, ShardkitError
 from tests.planted.dying import DYING, DyingEngine
 
 pytest.importorskip("grpc")

@@ -46,8 +46,10 @@ from shardkit import (
     assert_shard_engine_contract,
 )
 from shardkit._cli.main import main
-from shardkit._core.targets import EngineLost, resolve_target
+from shardkit._core.targets import EngineLost
 from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._transport import codec
+from shardkit._transport.resolve import resolve_target
 from shardkit._transport.server import ShardEngineServicer
 from shardkit.contract import FAULT_KINDS
 from shardkit.proto import shard_engine_pb2 as pb
@@ -62,7 +64,6 @@ from shardkit.remote import (
     RemoteShardEngine,
     RemoteUnavailable,
     close_connections,
-    codec,
     serve,
 )
 from tests.planted import DelegatingEngine
@@ -654,7 +655,7 @@ def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str)
     ],
 )
 def test_only_loopback_hosts_count_as_loopback(host: str, loopback: bool) -> None:
-    from shardkit._transport.server import is_loopback
+    from shardkit._core.targets import is_loopback
 
     assert is_loopback(host) is loopback
 

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from shardkit import FakeShardEngine, TraceFormatError, replay
+from shardkit import FakeShardEngine, TraceFormatError, machine_for, replay
 from shardkit._cli.main import main
 from shardkit._machine.minimize import replay_actions
-from shardkit._machine.state_machine import machine_for
 from shardkit._run.runner import FuzzResult, fuzz
 from shardkit.errors import UntrustedTarget
 from tests.planted import PLANTED, PlantedEngine

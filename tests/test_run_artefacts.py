@@ -16,8 +16,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.database import InMemoryExampleDatabase
 
-from shardkit import FakeShardEngine, machine_for, runner
-from shardkit._run.runner import Budgets, chunk_seeds, fuzz, run_machine
+from shardkit import FakeShardEngine, machine_for
+from shardkit._run import runner
+from shardkit._run.options import Budgets
+from shardkit._run.runner import chunk_seeds, fuzz, run_machine
 
 BUGGY_ENGINE = """
 from tests.planted import CancelLeaksKvTokens as make_engine
@@ -217,7 +219,7 @@ def test_step_notes_describe_each_step_as_it_runs_not_as_it_was_drawn() -> None:
     from shardkit import LoadRequest
     from shardkit._core.driver import Driver
     from shardkit._core.steps import Action, step_action
-    from shardkit._core.targets import resolve_target
+    from shardkit._transport.resolve import resolve_target
 
     driver = Driver(resolve_target(FakeShardEngine), LoadRequest("m", 0, 3, 4), faults=frozenset({"delay"}), twins=False)
 

@@ -24,9 +24,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from shardkit._core.conformance import assert_shard_engine_contract
-from shardkit._core.targets import resolve_target
-from shardkit._machine.state_machine import ROLES, FailureReport, ShardMachine, machine_for
+from shardkit._machine.state_machine import ROLES, FailureReport, ShardMachine, build_machine
 from shardkit._run.runner import fuzz
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import DecodeRequest, LoadRequest, PrefillRequest
 from shardkit.engines import FakeShardEngine
 from shardkit.errors import ContractViolation, InvalidTarget
@@ -86,7 +86,7 @@ def _throughput(config: BenchSettings) -> dict[str, Any]:
     for role in ROLES:
         kit = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
         bare = bare_steps_per_second(
-            machine_for(FakeShardEngine, role=role), config.examples, config.steps, config.seed
+            build_machine(FakeShardEngine, role=role), config.examples, config.steps, config.seed
         )
         kit_rate = kit.steps / kit.elapsed_s
         rows[role] = {

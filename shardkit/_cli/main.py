@@ -22,8 +22,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from shardkit._core.targets import DEFAULT_TARGET, EngineLost, ResolvedTarget, describe_exception, resolve_target
+from shardkit._core.targets import (
+    DEFAULT_TARGET,
+    EngineLost,
+    IsolationOptions,
+    ResolvedTarget,
+    describe_exception,
+    is_loopback,
+    is_remote_address,
+)
 from shardkit._run.trace import DEFAULT_OUT, write_atomically
+from shardkit._transport.resolve import resolve_target
 
 # Imports stay light here: `shardkit serve --worker` starts through this module, once per
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
@@ -114,7 +123,7 @@ def _check_isolation_options(command: str, args: argparse.Namespace, target: str
     isolation_refused = args.isolate is False if command == "replay" else not args.isolate
     if args.worker_memory is not None and isolation_refused:
         raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate")
-    remote = target is not None and target.startswith(("grpc://", "unix:"))
+    remote = target is not None and is_remote_address(target)
     if args.isolate and remote:
         message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
         raise UsageError(message)
@@ -134,6 +143,9 @@ def _faults(text: str) -> str:
 
 
 def _parser() -> _Parser:
+    from shardkit._run.options import FuzzOptions
+
+    defaults = FuzzOptions()
     parser = _Parser(prog="shardkit", description="Property-based state-machine testing for LLM shard engines.")
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -141,8 +153,8 @@ def _parser() -> _Parser:
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
     fuzz.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
     fuzz.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
-    fuzz.add_argument("--examples", type=_positive_int("--examples"), default=200, help="examples to run (200)")
-    fuzz.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
+    fuzz.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples to run ({defaults.examples})")
+    fuzz.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
     fuzz.add_argument(
         "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
     )
@@ -316,6 +328,7 @@ def _in_progress_traces(out: Path) -> dict[Path, int]:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
+    from shardkit._run.options import FuzzOptions
     from shardkit._run.report import print_summary
     from shardkit._run.runner import fuzz, report_document
 
@@ -331,21 +344,18 @@ def _fuzz(args: argparse.Namespace) -> int:
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
-        result = fuzz(
-            args.target,
-            seed=seed,
+        options = FuzzOptions(
             examples=args.examples,
             steps=args.steps,
             role=args.role,
             faults=args.faults,
             twins=not args.no_twins,
             reference=args.reference,
-            out=args.out,
-            progress=progress,
             isolate=args.isolate,
             step_timeout=args.step_timeout,
             worker_memory_mb=args.worker_memory,
         )
+        result = fuzz(args.target, options, seed=seed, out=args.out, progress=progress)
     finally:
         if progress is not None:
             progress.clear()
@@ -436,12 +446,13 @@ class _Progress:
 
 def _replay(args: argparse.Namespace) -> int:
     from shardkit._run.replay import read_trace, replay
-    from shardkit._transport.isolation import IsolationOptions, target_with_options
+    from shardkit._run.report import failure_lines
+    from shardkit._transport.isolation import target_with_options
 
     _check_isolation_options("replay", args, args.engine)
     engine: str | ResolvedTarget | None = args.engine
     isolate: bool | IsolationOptions | None = args.isolate
-    if args.engine is not None and args.engine.startswith(("grpc://", "unix:")):
+    if args.engine is not None and is_remote_address(args.engine):
         if args.step_timeout is not None:
             engine = target_with_options(args.engine, step_timeout=args.step_timeout)
     elif args.step_timeout is not None or args.worker_memory is not None:
@@ -463,11 +474,8 @@ def _replay(args: argparse.Namespace) -> int:
     if not result.reproduced:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
     # The whole sequence, as fuzz printed it: the last step alone does not say how it was reached.
-    print(f"FAILURE ({result.failure.property}) in {len(result.records)} steps:")
-    for record in result.records[:-1]:
-        print(f"  step {record.index}: {record.action.describe()}  → {record.observed}")
-    for line in result.failure.message.splitlines():
-        print(f"  {line}")
+    for line in failure_lines(result.failure.property, result.records, result.failure.message):
+        print(line)
     return EXIT_FAILURE
 
 
@@ -508,7 +516,7 @@ def _contract(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from shardkit._transport.server import is_loopback, parse_listen, serve
+        from shardkit._transport.server import parse_listen, serve
     except ImportError as error:
         message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise UsageError(message) from None

@@ -1,4 +1,4 @@
-"""Checks of what an engine returns (SPEC §3 "shape and range").
+"""Checks of what an engine returns (contract §3 "shape and range").
 
 These compare one observed result with what the contract allows for the
 request that produced it; they know nothing of Hypothesis or of the model's
@@ -85,7 +85,7 @@ def _expected_sideband(caps: EngineCapabilities, request: StepRequest) -> tuple[
     return request.bundle.token_id_sideband
 
 
-# --- determinism, isolation and chunking invariance (SPEC §3) -----------------------------
+# --- determinism, isolation and chunking invariance (contract §3) -----------------------------
 
 #: What an output says about one history: the residual row at its last position,
 #: or the token predicted after it (with the engine's margin, if it knows it).
@@ -106,7 +106,7 @@ def payload_difference(
 ) -> str | None:
     """None when the two agree within ``tolerance``; otherwise how they differ.
 
-    A token may differ where a margin is below ``tolerance`` (SPEC §3), unless
+    A token may differ where a margin is below ``tolerance`` (contract §3), unless
     ``near_ties_may_flip`` is False: to tell an injected wrong token from a near-tie."""
     if isinstance(expected, tuple) and isinstance(observed, tuple):
         if expected[0] == observed[0]:

@@ -17,7 +17,9 @@ import numpy as np
 
 from shardkit._core.checks import output_problems
 from shardkit._core.model import Prediction, ReferenceModel, StepRequest
+from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
+from shardkit._core.targets import EngineFactory
 from shardkit.contract import (
     BoundaryBundle,
     DecodeRequest,
@@ -26,7 +28,6 @@ from shardkit.contract import (
     MetricsResult,
     PrefillRequest,
     Role,
-    ShardEngine,
     StepResult,
     role_of,
 )
@@ -34,11 +35,10 @@ from shardkit.errors import ContractViolation
 
 __all__ = ["CONTRACT_CHECKS", "assert_shard_engine_contract"]
 
-EngineFactory = Callable[[], ShardEngine]
 
 
 class _RoleNotServed(Exception):
-    """The engine refused to load a sub-range: SPEC §1 allows that, so the role's check is skipped."""
+    """The engine refused to load a sub-range: contract §1 allows that, so the role's check is skipped."""
 
 
 class _CheckFailed(Exception):
@@ -342,7 +342,7 @@ def assert_shard_engine_contract(make_engine: EngineFactory) -> list[str]:
     Raises ``ContractViolation`` listing each failed check by name, with the
     call, the expected answer (and the §2 rule behind it) and the observed one.
     Returns the checks skipped, each with why: a role check for a layer range
-    the engine refuses to load (SPEC §1 allows that), or one that needs more layers.
+    the engine refuses to load (contract §1 allows that), or one that needs more layers.
     """
     total_layers = make_engine().capabilities().total_layers
     failures: list[tuple[str, str]] = []
@@ -359,5 +359,8 @@ def assert_shard_engine_contract(make_engine: EngineFactory) -> list[str]:
     if failures:
         lines = "\n".join(f"  [{name}] {detail}" for name, detail in failures)
         summary = f"{len(failures)} contract check(s) failed:\n{lines}"
+        where = read_more(lines)
+        if where is not None:
+            summary += f"\nthe rules cited are explained in shardkit's {where}"
         raise ContractViolation(summary, failed_checks=[name for name, _ in failures])
     return skipped

@@ -21,9 +21,8 @@ from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload
 from shardkit._core.faults import BOUNDARY_FAULTS, FaultInjectingEngine
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.steps import Action, build_request, step_note
-from shardkit._core.targets import EngineLost, ResolvedTarget, describe_exception
+from shardkit._core.targets import ProcessDeath, ResolvedTarget, describe_exception, passes_through
 from shardkit._core.twins import OracleFailure, TwinSession
-from shardkit._transport.isolation import ProcessDeath
 from shardkit.contract import (
     CacheResult,
     EngineCapabilities,
@@ -47,13 +46,6 @@ __all__ = ["CustomOp", "Driver", "StepFailed", "StepRecord", "Violation", "usabl
 T = TypeVar("T")
 CRASHED = "CRASH"
 KIT_BUG_ENDING = "this is a bug in shardkit; please report it with this trace"
-
-
-def _passes_through(error: BaseException) -> bool:
-    """What the driver never turns into a finding about an engine: Ctrl-C, and a run that
-    ends anyway because the server behind a remote target went away. Everything else an
-    engine raises, ``SystemExit`` and ``GeneratorExit`` included, is the engine's doing."""
-    return isinstance(error, (KeyboardInterrupt, EngineLost))
 
 
 @dataclass(frozen=True)
@@ -246,7 +238,7 @@ class Driver:
         except EngineError:
             raise
         except BaseException as error:
-            if _passes_through(error):
+            if passes_through(error):
                 raise
             death = self._death(error)
             if death is not None:
@@ -316,7 +308,7 @@ class Driver:
         try:
             result = run()
         except BaseException as error:
-            if _passes_through(error):
+            if passes_through(error):
                 raise
             death = self._death(error)
             if crash_due:
@@ -585,7 +577,7 @@ class Driver:
                 raise self._broken_reference(str(failure)) from None
             raise _Fail(failure.property, "twins that agree", str(failure)) from None
         except BaseException as error:  # a twin is the same engine: its exceptions are findings too
-            if _passes_through(error):
+            if passes_through(error):
                 raise
             if self.differential:
                 if isinstance(error, EngineError):

@@ -1,4 +1,4 @@
-"""Faults (SPEC §4): injection at an engine's boundary for engines that lack it.
+"""Faults (contract §4): injection at an engine's boundary for engines that lack it.
 
 An engine that supports a fault natively lists it in ``supported_faults`` and
 implements ``inject_fault``. ``FaultInjectingEngine`` wraps any other engine so
@@ -21,10 +21,6 @@ from shardkit.contract import (
     EngineCapabilities,
     EngineTensor,
     Fault,
-    HealthResult,
-    LoadRequest,
-    LoadResult,
-    MetricsResult,
     PrefillRequest,
     ShardEngine,
     StatusCode,
@@ -32,6 +28,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
+from shardkit.engines.delegating import DelegatingEngine
 from shardkit.errors import ShardkitError
 
 __all__ = ["BOUNDARY_FAULTS", "FaultInjectingEngine", "InjectedCrash", "corrupt_output"]
@@ -68,11 +65,14 @@ def corrupt_output(output: BoundaryBundle | TokenOutput, caps: EngineCapabilitie
     return replace(output, tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, shifted),))
 
 
-class FaultInjectingEngine(ShardEngine):
-    """Wraps ``inner`` and injects the boundary faults it does not support itself."""
+class FaultInjectingEngine(DelegatingEngine[ShardEngine]):
+    """Wraps ``inner`` and injects the boundary faults it does not support itself.
+
+    It changes prefill, decode, cancel and release (the calls a crash countdown counts)
+    and adds ``inject_fault``; the other operations are ``DelegatingEngine``'s."""
 
     def __init__(self, inner: ShardEngine, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._sleep = sleep
         self._delay: float | None = None
         self._malformed = False
@@ -84,6 +84,8 @@ class FaultInjectingEngine(ShardEngine):
 
     def __getattr__(self, name: str) -> object:
         # Operations a backend adds beyond contract v1 reach the wrapped engine.
+        if name == "inner":  # not set yet: never look for it on itself
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def inject_fault(self, fault: Fault) -> StructuredStatus:
@@ -132,12 +134,6 @@ class FaultInjectingEngine(ShardEngine):
             result = replace(result, output=corrupt_output(result.output, self.inner.capabilities()))
         return result
 
-    def load(self, request: LoadRequest) -> LoadResult:
-        return self.inner.load(request)
-
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities()
-
     def prefill(self, request: PrefillRequest) -> StepResult:
         return self._step("prefill", lambda: self.inner.prefill(request))
 
@@ -151,9 +147,3 @@ class FaultInjectingEngine(ShardEngine):
     def release(self, session_id: str) -> StructuredStatus:
         self._count_call("release")
         return self.inner.release(session_id)
-
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()

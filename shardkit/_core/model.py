@@ -1,4 +1,4 @@
-"""The reference model of the session lifecycle (SPEC §2).
+"""The reference model of the session lifecycle (contract §2).
 
 Pure: it calls no engine and draws nothing. Each operation returns a
 ``Prediction`` naming the numbered rule that decided it, and advances the
@@ -8,7 +8,7 @@ model's state exactly when the engine's state should advance.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -30,22 +30,40 @@ __all__ = ["Prediction", "ReferenceModel", "SessionState", "StepRequest", "input
 
 StepRequest = PrefillRequest | DecodeRequest
 Operation = Literal["prefill", "decode", "cancel", "release"]
-#: One accepted input in the form that defines a history (SPEC §3): token ids,
+#: One accepted input in the form that defines a history (contract §3): token ids,
 #: or the residual rows' bytes plus the sideband — never bundle metadata.
 InputChunk = tuple[int, ...] | tuple[bytes, tuple[int, ...] | None]
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the engine must answer, and why."""
+    """What the engine must answer, and why: the model's verdict on one operation.
+
+    ``op`` names the operation ("prefill", "decode", "cancel", "release", or one a backend
+    adds); ``code`` is the status the engine must answer; ``rule`` names the rule that
+    decided it (a failure is reported as the property ``"§2 " + rule``, e.g. "§2 rule 4"
+    or "§2 fork"); ``because`` says why, in words a person can act on. The flags are
+    keyword-only: ``retryable`` (the status's retryable flag), ``cache`` (HIT or MISS, for
+    prefill and decode) and ``is_retry`` (an OK answer that repeats an earlier result)::
+
+        Prediction("fork", StatusCode.OK, "fork", "session 'b' continues from 'a'")
+        Prediction(op="fork", code=StatusCode.RESOURCE_EXHAUSTED, rule="fork", because="…", retryable=True)
+    """
 
     op: str  # an Operation, or one a backend adds
     code: StatusCode
     rule: str
     because: str
+    _: KW_ONLY
     retryable: bool = False
     cache: CacheResult = CacheResult.MISS
     is_retry: bool = False
+
+    def __post_init__(self) -> None:
+        problem = _prediction_problem(self)
+        if problem is not None:
+            message = f"Prediction({self.op!r}, …): {problem}"
+            raise TypeError(message)
 
     def __str__(self) -> str:
         cache = f"/{self.cache.name}" if self.op in ("prefill", "decode") else ""
@@ -53,8 +71,39 @@ class Prediction:
         return f"{self.code.name}{cache}{retry} by §2 {self.rule}: {self.because}"
 
 
+def _prediction_problem(prediction: Prediction) -> str | None:
+    """What is wrong with a Prediction's field types (swapped positional arguments, most
+    often), or None."""
+    order = "the order is op, code, rule, because; or pass them by keyword"
+    if not isinstance(prediction.code, StatusCode):
+        return f"code must be a StatusCode, got {type(prediction.code).__name__} {prediction.code!r} ({order})"
+    for name in ("op", "rule", "because"):
+        value = getattr(prediction, name)
+        if not isinstance(value, str):
+            return f"{name} must be a str, got {type(value).__name__} {value!r} ({order})"
+    if not isinstance(prediction.cache, CacheResult):
+        return f"cache must be a CacheResult (HIT or MISS), got {type(prediction.cache).__name__} {prediction.cache!r}"
+    for name in ("retryable", "is_retry"):
+        if not isinstance(getattr(prediction, name), bool):
+            return f"{name} must be a bool, got {getattr(prediction, name)!r}"
+    return None
+
+
 @dataclass
 class SessionState:
+    """The model's state of one session id: what the engine must hold for it.
+
+    ``epoch`` is the session's current epoch and ``next_step`` the step it expects next
+    (a live session has ``next_step >= 1``); ``kv_tokens`` the tokens (bundle rows) its
+    epoch has cached (0 once cancelled); ``cancelled`` whether that epoch was cancelled;
+    ``last_request`` and ``last_cache`` the last accepted step and its cache result (an
+    exact repeat of it is an idempotent retry, rule 6); ``history`` the epoch's accepted
+    inputs in order, one chunk per step (token ids, or a bundle's rows and sideband),
+    from which the kit knows which outputs must agree. A rule of an extended model that
+    changes a session sets every field the change affects, as ``ReferenceModel``'s own
+    rules do.
+    """
+
     epoch: int
     next_step: int = 0
     kv_tokens: int = 0
@@ -121,7 +170,7 @@ def _bundle_reason(caps: EngineCapabilities, request: StepRequest, bundle: Bound
 
 
 def malformed_reason(caps: EngineCapabilities, request: StepRequest) -> str | None:
-    """Why SPEC §2 rule 2 refuses ``request`` on an engine with ``caps``, or None."""
+    """Why contract §2 rule 2 refuses ``request`` on an engine with ``caps``, or None."""
     if request.session_id == "":
         return "empty session id"
     if not _in_id_range(request.epoch):
@@ -150,7 +199,7 @@ def malformed_reason(caps: EngineCapabilities, request: StepRequest) -> str | No
 
 
 class ReferenceModel:
-    """Predicts every status, retryable flag and cache result of SPEC §2."""
+    """Predicts every status, retryable flag and cache result of contract §2."""
 
     def __init__(self) -> None:
         self.capabilities: EngineCapabilities | None = None
@@ -171,7 +220,18 @@ class ReferenceModel:
 
     @property
     def sessions(self) -> Mapping[str, SessionState]:
+        """Each session id's state, in the order the ids were opened. Read-only: rules
+        change a session through its ``SessionState`` or ``set_session``."""
         return self._sessions
+
+    def set_session(self, session_id: str, state: SessionState) -> None:
+        """Make ``state`` the state of ``session_id``, for a rule of an extended model: an
+        unknown id is opened (it holds a slot, and its ``kv_tokens`` count), a known one
+        is replaced. The built-in rules open and replace sessions themselves."""
+        if not isinstance(state, SessionState):
+            message = f"set_session({session_id!r}, …) takes a SessionState, got {type(state).__name__}: {state!r}"
+            raise TypeError(message)
+        self._sessions[session_id] = state
 
     @property
     def kv_tokens(self) -> int:

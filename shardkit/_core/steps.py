@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from shardkit.contract import (
 )
 
 __all__ = [
+    "BEFORE_LOAD_CALLS",
     "BUNDLE_MALFORMATIONS",
     "COMMON_MALFORMATIONS",
     "TOKEN_MALFORMATIONS",
@@ -38,6 +40,9 @@ __all__ = [
     "synthetic_bundle",
     "synthetic_rows",
 ]
+
+#: The calls a step may make on an engine that was never loaded (each must answer UNAVAILABLE).
+BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
 
 STEP_OPS = ("prefill", "decode")
 SHOWN_TOKENS = 8
@@ -172,7 +177,7 @@ def build_request(action: Action, caps: EngineCapabilities) -> StepRequest:
     return _MALFORMATIONS[malformed](request, caps)
 
 
-# --- malformations: each breaks exactly one clause of SPEC §2 rule 2 ---------------------
+# --- malformations: each breaks exactly one clause of contract §2 rule 2 ---------------------
 
 Malformation = Callable[[StepRequest, EngineCapabilities], StepRequest]
 
@@ -274,19 +279,19 @@ def _token_swap(value: Callable[[EngineCapabilities], int]) -> Malformation:
     return apply
 
 
-COMMON_MALFORMATIONS: dict[str, Malformation] = {
+COMMON_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
     "empty_session_id": lambda request, caps: _with_ids(request, session_id=""),
     "epoch_out_of_range": lambda request, caps: _with_ids(request, epoch=EPOCH_STEP_LIMIT),
     "negative_step": lambda request, caps: _with_ids(request, step=-1),
     "empty_input": _empty_input,
     "two_token_decode": _two_token_decode,
     "wrong_input_kind": _wrong_input_kind,
-}
-TOKEN_MALFORMATIONS: dict[str, Malformation] = {
+})
+TOKEN_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
     "token_out_of_vocab": _token_swap(lambda caps: caps.vocab_size),
     "negative_token": _token_swap(lambda caps: -1),
-}
-BUNDLE_MALFORMATIONS: dict[str, Malformation] = {
+})
+BUNDLE_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
     "non_finite_value": _non_finite,
     "wrong_architecture": _bundle_change(architecture=lambda request, caps: caps.architecture + "-other"),
     "wrong_hidden_size": _tensor_from(lambda rows, caps: np.pad(rows, ((0, 0), (0, 1)))),
@@ -298,8 +303,8 @@ BUNDLE_MALFORMATIONS: dict[str, Malformation] = {
     "non_upstream_boundary": _non_upstream,
     "sideband_length": _bundle_change(token_id_sideband=lambda request, caps: (*request.bundle.token_id_sideband, 0)),
     "echo_mismatch": _bundle_change(step=lambda request, caps: request.step + 1),
-}
-_MALFORMATIONS: dict[str, Malformation] = {**COMMON_MALFORMATIONS, **TOKEN_MALFORMATIONS, **BUNDLE_MALFORMATIONS}
+})
+_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({**COMMON_MALFORMATIONS, **TOKEN_MALFORMATIONS, **BUNDLE_MALFORMATIONS})
 
 
 def known_malformations() -> frozenset[str]:

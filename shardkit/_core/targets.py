@@ -1,29 +1,73 @@
-"""Engine targets: ``module.path:attr`` or ``path/to/file.py:attr`` naming a
-zero-argument callable that returns a fresh, unloaded ``ShardEngine``."""
+"""Engine targets in this process: ``module.path:attr`` or ``path/to/file.py:attr`` naming a
+zero-argument callable that returns a fresh, unloaded ``ShardEngine``.
+
+Also what the driver, the runner and the trace know about a target whose engines live in
+another process, without importing the transport (or gRPC): how an address is told from
+a Python target (``is_remote_address``), how losing a server ends a run (``EngineLost``),
+and what an isolated target's worker process is asked and answers (``Isolation``,
+``IsolationOptions``, ``ProcessDeath``). Turning an address into engines, and isolating a
+target, is the transport's: ``shardkit._transport.resolve.resolve_target`` and
+``shardkit._transport.isolation``.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import ipaddress
+import math
 import os
 import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from shardkit.contract import EngineError, ShardEngine
 from shardkit.errors import InvalidTarget
 
-if TYPE_CHECKING:
-    from shardkit._transport.isolation import Isolation
-
-__all__ = ["DEFAULT_TARGET", "EngineFactory", "EngineLost", "ResolvedTarget", "describe_exception", "resolve_target"]
+__all__ = [
+    "DEFAULT_STEP_TIMEOUT",
+    "DEFAULT_TARGET",
+    "FILE_MODULE_PREFIX",
+    "REMOTE_PREFIXES",
+    "EngineFactory",
+    "EngineLost",
+    "Isolation",
+    "IsolationOptions",
+    "ProcessDeath",
+    "ResolvedTarget",
+    "check_seconds",
+    "describe_exception",
+    "import_target",
+    "is_loopback",
+    "is_remote_address",
+    "passes_through",
+    "short_name",
+]
 
 EngineFactory = Callable[[], ShardEngine]
 DEFAULT_TARGET = "shardkit:FakeShardEngine"
+#: How a target names an engine server rather than Python code: ``grpc://HOST:PORT``, ``unix:PATH``.
+REMOTE_PREFIXES = ("grpc://", "unix:")
+#: The module name a ``path/to/file.py:attr`` target's file is imported under starts with this.
+FILE_MODULE_PREFIX = "_shardkit_target_"
+#: Seconds each call to an isolated (or remote) engine may take before it counts as a hang.
+DEFAULT_STEP_TIMEOUT = 5.0
 T = TypeVar("T")
+
+
+def check_seconds(name: str, value: object) -> None:
+    """Refuse (``ValueError`` naming ``name``) a deadline that is not a finite number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        message = f"{name} must be a finite number of seconds > 0, got {value!r}"
+        raise ValueError(message)
+
+
+def is_remote_address(target: str) -> bool:
+    """Whether the target string ``target`` names an engine server (``grpc://…``, ``unix:…``)."""
+    return target.startswith(REMOTE_PREFIXES)
 
 
 class EngineLost(BaseException):
@@ -40,9 +84,20 @@ class EngineLost(BaseException):
         self.address = address
 
 
-def _passes_through(error: BaseException) -> bool:
-    """What a guard around the target's code must not turn into an error of the target:
-    Ctrl-C, and a run that is ending anyway because its server is lost."""
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of a ``HOST:PORT`` address) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to any interface
+
+
+def passes_through(error: BaseException) -> bool:
+    """What a guard around an engine's or a target's code never turns into a finding about
+    it: Ctrl-C, and a run that ends anyway because the server behind a remote target went
+    away. Everything else it raises, ``SystemExit`` and ``GeneratorExit`` included, is its doing."""
     return isinstance(error, (KeyboardInterrupt, EngineLost))
 
 
@@ -62,11 +117,77 @@ def describe_exception(error: BaseException) -> str:
 
 
 @dataclass(frozen=True)
+class IsolationOptions:
+    """How an isolated engine runs: each call's deadline, and the worker's memory limit
+    (``None``: no limit beyond the machine's)."""
+
+    step_timeout: float = DEFAULT_STEP_TIMEOUT
+    worker_memory_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        check_seconds("step_timeout", self.step_timeout)
+        memory = self.worker_memory_mb
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+            message = f"worker_memory_mb must be a positive whole number of MiB or None, got {memory!r}"
+            raise ValueError(message)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_timeout": self.step_timeout, "worker_memory_mb": self.worker_memory_mb}
+
+    def command_options(self) -> list[str]:
+        """The ``shardkit fuzz``/``replay`` options that ask for these settings."""
+        options = ["--isolate"]
+        if self.step_timeout != DEFAULT_STEP_TIMEOUT:
+            options += ["--step-timeout", f"{self.step_timeout:g}"]
+        if self.worker_memory_mb is not None:
+            options += ["--worker-memory", str(self.worker_memory_mb)]
+        return options
+
+
+@dataclass(frozen=True)
+class ProcessDeath:
+    """How an isolated engine's process ended a call.
+
+    ``property`` is stable across runs (what minimisation preserves), e.g.
+    ``"process killed by SIGSEGV"``; ``summary`` completes "engine process …", e.g.
+    ``"killed by SIGSEGV"``; ``stderr_tail`` is the end of what the process printed.
+    """
+
+    property: str
+    summary: str
+    stderr_tail: tuple[str, ...] = ()
+
+    def quoted_tail(self) -> str:
+        """The tail, one ``  | line`` per line, each after a newline (empty if it printed nothing)."""
+        return "".join(f"\n  | {line}" for line in self.stderr_tail)
+
+
+class Isolation(Protocol):
+    """What the driver and the runner ask of an isolated target (the transport's
+    ``WorkerPool``, in ``shardkit/_transport/worker.py``)."""
+
+    options: IsolationOptions
+
+    def death(self, error: BaseException) -> ProcessDeath | None:
+        """What ``error`` (raised by a call to one of this target's engines) means: the
+        process's death, a missed deadline or a garbage answer, or None for an error that
+        is not about the process. A process that may still run is killed first."""
+
+    def kill(self) -> None:
+        """End the current process at once, as an injected crash does; the next engine
+        comes from a fresh one."""
+
+    def close(self) -> None:
+        """End every process this isolation started; closing twice is fine."""
+
+
+@dataclass(frozen=True)
 class ResolvedTarget:
     """A factory that checks what it builds, and the name to print and record.
 
     ``isolation`` is set when every engine it builds lives in a child process
-    (``shardkit._transport.isolation.isolated_target``)."""
+    (``shardkit._transport.isolation.isolated_target``); a target naming an engine server
+    comes from ``shardkit._transport.client.remote_target``."""
 
     name: str
     build: EngineFactory
@@ -81,7 +202,7 @@ class ResolvedTarget:
             message = f"engine target {self.name!r} raised {type(error).__name__} when called: {error}"
             raise InvalidTarget(message) from error
         except BaseException as error:
-            if _passes_through(error):
+            if passes_through(error):
                 raise
             # A SystemExit (or GeneratorExit, …) from the target is never the kit's own exit.
             message = (
@@ -110,7 +231,7 @@ class ResolvedTarget:
         except EngineError:
             raise
         except BaseException as error:
-            if _passes_through(error):
+            if passes_through(error):
                 raise
             death = self.isolation.death(error) if self.isolation is not None else None
             if death is not None:
@@ -127,25 +248,25 @@ class ResolvedTarget:
 
 def short_name(target_name: str) -> str:
     """A target's name for labels and file names: the attribute of ``module:attr``, an address whole."""
-    if "://" in target_name or target_name.startswith("unix:"):
+    if is_remote_address(target_name):
         return target_name
     return target_name.rpartition(":")[2] or target_name
 
 
-def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
-    """Turn a target string or a factory into a checked ``ResolvedTarget``.
+def import_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
+    """Turn a ``module:attr`` or ``file.py:attr`` string, or a factory, into a checked
+    ``ResolvedTarget`` whose engines are built in this process.
 
-    ``grpc://HOST:PORT`` and ``unix:PATH`` name a remote engine server (the ``grpc`` extra)."""
+    An address (``grpc://``, ``unix:``) is refused: it names no Python code to import; the
+    transport's ``resolve_target`` connects to it."""
     if isinstance(target, ResolvedTarget):
         return target
-    if isinstance(target, str) and target.startswith(("grpc://", "unix:")):
-        # A remote engine: each call asks the server there for a fresh engine.
-        try:
-            from shardkit._transport.client import remote_target
-        except ImportError as error:
-            message = f"engine target {target!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
-            raise InvalidTarget(message) from error
-        return remote_target(target)
+    if isinstance(target, str) and is_remote_address(target):
+        message = (
+            f"engine target {target!r} names an engine server, not Python code to import; "
+            "resolve it with shardkit._transport.resolve.resolve_target, which connects to it"
+        )
+        raise InvalidTarget(message)
     if not isinstance(target, str):
         if not callable(target):
             message = f"an engine target must be a 'module:attr' string or a callable, got {target!r}"
@@ -217,7 +338,7 @@ def _import_file(path_text: str, target: str) -> object:
     if not path.is_file():
         message = f"engine target {target!r}: no file at {path_text!r}"
         raise InvalidTarget(message)
-    module_name = f"_shardkit_target_{abs(hash(str(path)))}"
+    module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path)))}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)

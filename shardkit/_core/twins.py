@@ -1,4 +1,4 @@
-"""The twin oracle (SPEC §3): fresh engines that replay one session's history alone.
+"""The twin oracle (contract §3): fresh engines that replay one session's history alone.
 
 A memo of outputs only catches a wrong output when the same history comes round
 again. A twin catches it the first time: a fresh engine from the same target,

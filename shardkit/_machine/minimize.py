@@ -1,4 +1,4 @@
-"""Second-stage minimisation (SHRINKING.md, "Beyond Hypothesis's shrinker").
+"""Second-stage minimisation, by replay without Hypothesis.
 
 After Hypothesis stops, the failing example is replayed without Hypothesis and
 made smaller while the *same* property is still violated:
@@ -24,7 +24,8 @@ from typing import TypeVar
 
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action
-from shardkit._machine.state_machine import Choice, FailureReport, RunStats, ShardMachine
+from shardkit._machine.hypothesis_adapter import integer_range
+from shardkit._machine.state_machine import Choice, FailureReport, RunObserver, ShardMachine, observed
 
 __all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]
 
@@ -75,14 +76,14 @@ def replay_actions(
 def _replay_choices(
     machine: type[ShardMachine], failure: FailureReport, choices: Sequence[Choice]
 ) -> FailureReport | None:
-    instance = machine()
-    instance.stats = RunStats()  # minimisation is not part of the run's figures
+    observer = RunObserver()  # minimisation is not part of the run's figures
+    instance = observed(machine, observer)()
     try:
         instance.load_engine(layout=failure.layout)
         for choice in choices:
             getattr(instance, choice.rule)(**dict(choice.arguments))
     except StepFailed:
-        return instance.stats.failure
+        return observer.failure
     return None
 
 
@@ -136,12 +137,17 @@ def argument_ranges(machine: type[ShardMachine]) -> ArgumentRanges:
     """Each rule's integer arguments and the values their strategies draw (rules built
     with ``st.integers(lo, hi)``; anything else is left alone by the repair)."""
     ranges: ArgumentRanges = {}
-    for each in machine.setup_state().rules:
-        for name, strategy in each.arguments.items():
-            inner = getattr(strategy, "wrapped_strategy", strategy)
-            low, high = getattr(inner, "start", None), getattr(inner, "end", None)
-            if isinstance(low, int) and isinstance(high, int):
-                ranges.setdefault(each.function.__name__, {})[name] = range(low, high + 1)
+    for attribute in dir(machine):
+        if attribute == "TestCase":
+            continue  # a descriptor that builds a class: no rule
+        function = getattr(machine, attribute, None)
+        strategies = getattr(function, "step_rule_arguments", None)
+        if not isinstance(strategies, dict):
+            continue
+        for name, strategy in strategies.items():
+            values = integer_range(strategy)
+            if values is not None:
+                ranges.setdefault(getattr(function, "__name__", attribute), {})[name] = values
     return ranges
 
 

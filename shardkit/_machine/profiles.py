@@ -9,6 +9,9 @@ wall clock decide a result (``deadline``, the ``too_slow`` health check) are off
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from hypothesis import HealthCheck, Phase, settings
 
 __all__ = ["CI_PROFILE", "DEFAULT_PROFILE", "PROFILES", "register_profiles", "time_independent"]
@@ -18,11 +21,11 @@ CI_PROFILE = "shardkit-ci"
 DEFAULT_PROFILE = CI_PROFILE
 
 #: name → (examples, steps per example, derandomized)
-PROFILES: dict[str, tuple[int, int, bool]] = {
+PROFILES: Mapping[str, tuple[int, int, bool]] = MappingProxyType({
     "shardkit-ci": (200, 50, True),
     "shardkit-dev": (50, 30, False),
     "shardkit-nightly": (5000, 100, False),
-}
+})
 
 
 def time_independent(base: settings) -> settings:

@@ -3,17 +3,19 @@
 Every rule draws at most three small integers, with 0 the simplest choice,
 and derives the concrete step from them and the model's state at run time
 (which live session, which chunk, which epoch). That keeps each step a few
-choices long, so Hypothesis's shrinker can delete whole steps (SHRINKING.md).
+choices long, so Hypothesis's shrinker can delete whole steps (docs/extending.md).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import threading
 import unittest
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from hypothesis import event, reject, settings
@@ -23,22 +25,25 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
 from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation, usable_faults
-from shardkit._core.model import ReferenceModel
-from shardkit._core.steps import Action, malformations_for, step_action
-from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target, short_name
-from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles
-from shardkit._transport.isolation import IsolationOptions, target_with_options
+from shardkit._core.model import ReferenceModel, SessionState
+from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, malformations_for, step_action
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name
+from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
+from shardkit._machine.hypothesis_adapter import stop_hypothesis
+from shardkit._transport.isolation import target_with_options
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
-from shardkit.errors import ShardkitError
+from shardkit.errors import ShardkitError, UsageError
 
 __all__ = [
     "ROLES",
     "Choice",
     "FailureReport",
-    "RunStats",
+    "RunObserver",
     "ShardMachine",
+    "build_machine",
     "layer_range",
-    "machine_for",
+    "observed",
     "parse_faults",
     "step_rule",
 ]
@@ -50,7 +55,6 @@ LIVE_CHOICES = 6
 EPOCH_JUMPS = (1, 2, 1000, 2**62)
 STEP_DELTAS = (1, 2, -2, 2**62)
 DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
-BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
 
 @dataclass(frozen=True)
 class Choice:
@@ -77,9 +81,15 @@ class FailureReport:
 
 
 def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """``@rule`` that also records the drawn arguments, so the minimiser can replay
-    the rule without Hypothesis. Use it for the rules you add; keep the
-    strategies small integers with 0 the simplest choice (SHRINKING.md)."""
+    """Hypothesis's ``@rule`` for a ``ShardMachine`` subclass, which also records the drawn
+    arguments so the kit's minimiser can replay the rule without Hypothesis.
+
+    Use it for every rule you add (see docs/extending.md). Give each argument a strategy of
+    small integers, at most three per rule, where 0 is the simplest choice (e.g.
+    ``session=st.integers(0, 7)``), and derive the concrete step from them and the model's
+    state when the rule runs (``self.session_id(session)``, ``self.sessions``): a step
+    then stays a few choices long, so Hypothesis's shrinker can delete whole steps and
+    lower the rest towards 0, and a trace of the step replays without the strategies."""
 
     def decorate(function: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(function)
@@ -87,6 +97,8 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
             self.choices.append(Choice(function.__name__, tuple(arguments.items())))
             function(self, **arguments)
 
+        # The minimiser reads the strategies here, not from Hypothesis's private rule records.
+        record_then_run.step_rule_arguments = dict(strategies)  # type: ignore[attr-defined]
         decorated: Callable[..., None] = rule(**strategies)(record_then_run)  # type: ignore[call-overload]
         return decorated
 
@@ -94,8 +106,10 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
 
 
 @dataclass
-class RunStats:
-    """Counters shared by every example of one machine class, and the run's hooks."""
+class RunObserver:
+    """What one run counts and how it is told about its examples: the runner makes one per
+    run and hands it to a subclass of the machine made for that run (``observed``), so no
+    two runs share counters and nothing is configured by mutating a shared class."""
 
     examples: int = 0
     steps: int = 0
@@ -118,9 +132,10 @@ class RunStats:
     only_property: str | None = None
 
 
-class ShrinkBudgetSpent(BaseException):
-    """Raised through Hypothesis (which does not catch it) to end a shrink that has spent
-    its counted budget of steps; the runner then minimises the shortest failure by replay."""
+def observed(machine: type[ShardMachine], observer: RunObserver) -> type[ShardMachine]:
+    """``machine`` for one run, reporting to ``observer``. The subclass keeps the machine's
+    name, so its identity (trace names, example-database keys) is the machine's."""
+    return type(machine.__name__, (machine,), {"observer": observer, "__qualname__": machine.__qualname__})
 
 
 def coverage_op(action: Action) -> str:
@@ -177,6 +192,47 @@ def parse_faults(faults: bool | str | Iterable[str]) -> frozenset[str]:
     return frozenset(kinds)
 
 
+SuiteRunner = Callable[["type[ShardMachine]", "unittest.TestCase"], None]
+
+
+class SuiteTestCase:
+    """``Machine.TestCase``: a ``unittest.TestCase`` whose test runs ``suite_runner`` on the
+    machine. One class per machine, made on first use, so ``Machine.TestCase.settings = …``
+    sticks; it runs under the ``shardkit-ci`` profile unless a profile is loaded
+    (``--hypothesis-profile``) or ``settings`` is set on it."""
+
+    def __get__(self, instance: object, owner: type[ShardMachine]) -> type[unittest.TestCase]:
+        made: type[unittest.TestCase] | None = owner.__dict__.get("_suite_test_case")
+        if made is None:
+            made = _suite_test_case(owner)
+            type.__setattr__(owner, "_suite_test_case", made)
+        return made
+
+
+def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
+    class ShardMachineTestCase(unittest.TestCase):
+        settings: settings | None = None
+        #: Set by the pytest plugin from its command-line options before the test runs.
+        shardkit_overrides: object = None
+
+        def runTest(self) -> None:
+            __tracebackhide__ = True
+            runner = machine.suite_runner
+            if runner is None:
+                message = (
+                    f"{machine.__name__} has no engine to run: build the machine with "
+                    "shardkit.machine_for(TARGET, base=...) and collect that class's TestCase"
+                )
+                raise UsageError(message)
+            runner(machine, self)
+
+        runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
+
+    ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
+    ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
+    return ShardMachineTestCase
+
+
 class ShardMachine(RuleBasedStateMachine):
     """Base of every machine ``machine_for`` builds; subclass it to add rules."""
 
@@ -190,37 +246,40 @@ class ShardMachine(RuleBasedStateMachine):
     custom_ops: ClassVar[Mapping[str, CustomOp]] = {}
     total_layers: ClassVar[int] = 1
     roles: ClassVar[tuple[Role, ...]] = ("full",)
-    stats: RunStats  # shared by the class's examples; the minimiser gives its instances their own
+    #: The run this machine reports to; ``observed`` sets it for each run. Without one (a
+    #: machine run by Hypothesis directly), each example counts on its own.
+    observer: ClassVar[RunObserver | None] = None
+    #: What its pytest ``TestCase`` runs: ``machine_for`` sets the kit's run (Hypothesis, then
+    #: minimisation by replay, then the trace and regression test on disk).
+    suite_runner: ClassVar[SuiteRunner | None] = None
+    #: pytest's ``TestCase`` for the machine (collect it as ``TestMyEngine = Machine.TestCase``).
+    TestCase = SuiteTestCase()  # type: ignore[assignment]  # Hypothesis types its own TestCase class; ours runs the kit's run
 
     driver: Driver
     #: The options machine_for built this class with, so pytest can rebuild it for another engine.
-    build_options: ClassVar[Mapping[str, Any]] = {}
+    build_options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    #: What the machine learns from its engine on first use (see ``prepare``).
+    setup: ClassVar[_Setup]
 
     @classmethod
-    @functools.lru_cache
-    def _to_test_case(cls) -> type[unittest.TestCase]:  # type: ignore[override]
-        """pytest's ``TestCase``: the same run as ``shardkit fuzz`` — Hypothesis, then
-        minimisation by replay, then the trace and regression test on disk. It runs under
-        the ``shardkit-ci`` profile unless a profile is loaded (``--hypothesis-profile``) or
-        ``settings`` is set on it (``MyMachine.TestCase.settings = settings(...)``)."""
-        machine = cls
-        explicit: settings | None = None
+    def prepare(cls) -> type[ShardMachine]:
+        """Meet the engine now: resolve the target (start an isolated target's workers), read
+        its capabilities, and check the role and faults asked for against it. A run does it
+        on first use; call it to report an option the engine cannot honour early. Returns
+        the machine."""
+        if "setup" not in dir(cls):
+            message = f"{cls.__name__} has no engine: build it with shardkit.machine_for(TARGET, base=...)"
+            raise UsageError(message)
+        cls.setup.values()
+        return cls
 
-        class ShardMachineTestCase(unittest.TestCase):
-            settings = explicit
-
-            def runTest(self) -> None:
-                __tracebackhide__ = True
-                from shardkit._run.runner import run_as_test
-
-                run_as_test(machine, self.settings)
-
-            runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
-            runTest._hypothesis_state_machine_class = machine  # type: ignore[attr-defined]
-
-        ShardMachineTestCase.__name__ = f"{cls.__name__}.TestCase"
-        ShardMachineTestCase.__qualname__ = f"{cls.__qualname__}.TestCase"
-        return ShardMachineTestCase
+    @property
+    def stats(self) -> RunObserver:
+        """The observer this example reports to."""
+        observer = type(self).observer
+        if observer is None:
+            observer = self.__dict__.setdefault("_own_observer", RunObserver())
+        return observer
 
     @initialize(layout=st.integers(0, 15))
     def load_engine(self, layout: int) -> None:
@@ -241,7 +300,7 @@ class ShardMachine(RuleBasedStateMachine):
         )
         self.stats.examples += 1
         if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
-            raise ShrinkBudgetSpent
+            stop_hypothesis()
         if self.stats.on_example is not None:
             self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
 
@@ -253,11 +312,26 @@ class ShardMachine(RuleBasedStateMachine):
 
     # --- helpers rules share -----------------------------------------------------------
 
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The loaded engine's capabilities, as it reported them right after ``load`` (the
+        driver keeps them; after an injected crash, the restarted engine's). A
+        memory_pressure fault lowers the token limit the model enforces later
+        (``ReferenceModel.max_kv_tokens``), not ``max_kv_tokens`` here."""
+        return self.driver.caps
+
+    @property
+    def sessions(self) -> Mapping[str, SessionState]:
+        """The model's sessions, by id, oldest first: a read-only view for rules to read
+        (their state changes only through steps)."""
+        return MappingProxyType(self.driver.model.sessions)
+
+
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
         if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
-            raise ShrinkBudgetSpent
+            stop_hypothesis()
         stats.steps += 1
         try:
             record = self.driver.execute(action)
@@ -420,7 +494,7 @@ def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
     self.run(Action("fault", {"kind": chosen, "value": amount}))
 
 
-def machine_for(
+def build_machine(
     target_or_factory: str | EngineFactory | ResolvedTarget,
     *,
     role: Role | str | None = None,
@@ -433,6 +507,7 @@ def machine_for(
     isolate: bool | IsolationOptions = False,
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
+    suite_runner: SuiteRunner | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -449,16 +524,9 @@ def machine_for(
         role = None
     if role is not None and role not in ROLES:
         message = f"role must be one of {', '.join(ROLES)} or 'any', got {role!r}"
-        raise ValueError(message)
-    target = target_with_options(
-        target_or_factory, isolate=isolate, step_timeout=step_timeout, worker_memory_mb=worker_memory_mb
-    )
-    try:
-        caps, loadable, fault_kinds = _checked_options(target, role, faults, twins, reference)
-    except BaseException:
-        if target.isolation is not None and target is not target_or_factory:
-            target.isolation.close()  # this call started its workers: do not leave them running
-        raise
+        raise UsageError(message)
+    wanted = _wanted_faults(faults, twins, reference)
+    setup = _Setup(target_or_factory, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb)
     namespace: dict[str, Any] = {
         "build_options": {
             "role": role,
@@ -471,20 +539,111 @@ def machine_for(
             "step_timeout": step_timeout,
             "worker_memory_mb": worker_memory_mb,
         },
-        "reference": resolve_target(reference) if reference is not None else None,
-        "target": target,
+        "setup": setup,
         "role": role,
-        "fault_kinds": fault_kinds,
         "use_twins": twins,
         "model_factory": staticmethod(model),
-        "total_layers": caps.total_layers,
-        "roles": loadable,
-        "stats": RunStats(),
-        **({"inject_fault": inject_fault} if fault_kinds else {}),
+        **{name: _Prepared(name) for name in _Setup.PREPARED},
+        **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
+        **({"inject_fault": inject_fault} if wanted else {}),
     }
-    engine_name = re.sub(r"\W+", "_", short_name(target.name)).strip("_")
+    engine_name = re.sub(r"\W+", "_", short_name(_target_name(target_or_factory))).strip("_")
     class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
     return type(class_name, (base,), namespace)
+
+
+def _target_name(target_or_factory: str | EngineFactory | ResolvedTarget) -> str:
+    """The target's name without importing or building anything."""
+    if isinstance(target_or_factory, ResolvedTarget):
+        return target_or_factory.name
+    if isinstance(target_or_factory, str):
+        return target_or_factory
+    return getattr(target_or_factory, "__qualname__", type(target_or_factory).__qualname__)
+
+
+def _wanted_faults(faults: bool | str | Iterable[str], twins: bool, reference: object) -> frozenset[str]:
+    """The fault kinds asked for that the options allow, checked without the engine."""
+    try:
+        wanted = parse_faults(faults)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if reference is not None and not twins:
+        message = "a reference engine is compared through the twin oracle; drop --no-twins or the reference"
+        raise UsageError(message)
+    if not twins and "malformed_output" in wanted:
+        # Without twins a wrong output of a first-seen history is undetectable, and an
+        # undetected injection counts as a failure of the kit.
+        if not (faults is True or faults == "all"):
+            message = "the malformed_output fault needs the twin oracle to detect it; drop --no-twins or the fault"
+            raise UsageError(message)
+        wanted -= {"malformed_output"}
+    return wanted
+
+
+class _Setup:
+    """What a machine knows only once it has met its engine: the resolved target (an isolated
+    one starts its workers), the engine's capabilities, the roles it loads and the faults it
+    takes. Made on first use, so building a machine (importing a test module) builds no
+    engine and starts no process; an option the engine cannot honour is reported then."""
+
+    PREPARED = ("target", "reference", "total_layers", "roles", "fault_kinds")
+
+    def __init__(
+        self,
+        target_or_factory: str | EngineFactory | ResolvedTarget,
+        role: Role | None,
+        faults: bool | str | Iterable[str],
+        twins: bool,
+        reference: str | EngineFactory | ResolvedTarget | None,
+        isolate: bool | IsolationOptions,
+        step_timeout: float | None,
+        worker_memory_mb: int | None,
+    ) -> None:
+        self.target_or_factory, self.role, self.faults, self.twins = target_or_factory, role, faults, twins
+        self.reference, self.isolate = reference, isolate
+        self.step_timeout, self.worker_memory_mb = step_timeout, worker_memory_mb
+        self._lock = threading.Lock()
+        self._values: Mapping[str, Any] | None = None
+
+    def values(self) -> Mapping[str, Any]:
+        with self._lock:
+            if self._values is None:
+                self._values = self._prepare()
+            return self._values
+
+    def _prepare(self) -> Mapping[str, Any]:
+        target = target_with_options(
+            self.target_or_factory,
+            isolate=self.isolate,
+            step_timeout=self.step_timeout,
+            worker_memory_mb=self.worker_memory_mb,
+        )
+        try:
+            caps, loadable, fault_kinds = _checked_options(target, self.role, self.faults, self.twins, self.reference)
+            reference = resolve_target(self.reference) if self.reference is not None else None
+        except BaseException:
+            if target.isolation is not None and target is not self.target_or_factory:
+                target.isolation.close()  # this call started its workers: do not leave them running
+            raise
+        return MappingProxyType(
+            {
+                "target": target,
+                "reference": reference,
+                "total_layers": caps.total_layers,
+                "roles": loadable,
+                "fault_kinds": fault_kinds,
+            }
+        )
+
+
+class _Prepared:
+    """A machine attribute ``_Setup`` provides on first use."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: object, owner: type[ShardMachine]) -> Any:
+        return owner.setup.values()[self.name]
 
 
 def _checked_options(
@@ -505,18 +664,8 @@ def _checked_options(
     if not loadable:
         message = f"{target.name} refused to load even its whole range of {caps.total_layers} layers"
         raise ShardkitError(message)
-    if reference is not None and not twins:
-        message = "a reference engine is compared through the twin oracle; drop --no-twins or the reference"
-        raise ShardkitError(message)
-    wanted = parse_faults(faults)
+    wanted = _wanted_faults(faults, twins, reference)
     everything = faults is True or faults == "all"
-    if not twins and "malformed_output" in wanted:
-        # Without twins a wrong output of a first-seen history is undetectable, and an
-        # undetected injection counts as a failure of the kit.
-        if not everything:
-            message = "the malformed_output fault needs the twin oracle to detect it; drop --no-twins or the fault"
-            raise ShardkitError(message)
-        wanted -= {"malformed_output"}
     native, boundary = usable_faults(caps, probe, wanted)
     unusable = wanted - native - boundary
     if unusable and not everything:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit._run.replay import PreparedReplay, prepare_replay
+from shardkit import PreparedReplay, prepare_replay
 
 TRACE = Path(__file__).with_name({trace_name!r})
 

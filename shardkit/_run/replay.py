@@ -51,7 +51,6 @@ from __future__ import annotations
 import enum
 import importlib.machinery
 import importlib.util
-import ipaddress
 import json
 import math
 import os
@@ -62,14 +61,16 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
 from shardkit._core.model import ReferenceModel
-from shardkit._core.steps import Action, known_malformations
-from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, known_malformations
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, is_loopback, is_remote_address
 from shardkit._run.trace import TRACE_FORMAT, TRACE_VERSION, find_module_spec
-from shardkit._transport.isolation import IsolationOptions, target_with_options
+from shardkit._transport.isolation import target_with_options
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, LoadRequest, ShardEngine
 from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
@@ -92,7 +93,6 @@ MAX_TEXT = 65_536
 MAX_INT = 2**64
 MAX_DELAY_SECONDS = 10.0
 MAX_RECIPE_KEYS = 256
-BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
 #: Keys that say where a recorded name's code lives (see ``shardkit._run.trace.code_location``).
 LOCATION_KEYS = tuple(
     f"{role}_{kind}" for role in ("target", "reference", "machine", "model") for kind in ("file", "path")
@@ -524,7 +524,7 @@ def _fault_args(schema: _Schema, args: Mapping[str, Any], where: str) -> dict[st
     return {"kind": kind, "value": value}
 
 
-_ARGUMENT_CHECKS: dict[str, Callable[[_Schema, Mapping[str, Any], str], dict[str, Any]]] = {
+_ARGUMENT_CHECKS: Mapping[str, Callable[[_Schema, Mapping[str, Any], str], Mapping[str, Any]]] = MappingProxyType({
     "prefill": _step_args,
     "decode": _step_args,
     "cancel": _cancel_args,
@@ -532,12 +532,12 @@ _ARGUMENT_CHECKS: dict[str, Callable[[_Schema, Mapping[str, Any], str], dict[str
     "health": lambda schema, args, where: {},
     "unloaded": _unloaded_args,
     "fault": _fault_args,
-}
+})
 
 
 # --- the trust rule --------------------------------------------------------------------------
 
-_ROLE_WORDS = {"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"}
+_ROLE_WORDS = MappingProxyType({"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"})
 
 
 @dataclass(frozen=True)
@@ -594,7 +594,7 @@ def _untrusted(trace: Trace, role: str, name: str, where: str) -> UntrustedTarge
 
 def _admit(trace: Trace, role: str, name: str, trust: bool) -> _Admitted:
     """Decide whether replay may build the recorded ``name`` (see the module docstring); imports nothing."""
-    if name.startswith(("grpc://", "unix:")):
+    if is_remote_address(name):
         if not (trust or _local_address(name)):
             raise _untrusted(trace, role, name, "a server on another machine")
         return _Admitted(role, name, name, trusted=trust)
@@ -667,13 +667,7 @@ def _admit_file(trace: Trace, role: str, name: str, module: str, attr: str, trus
 def _local_address(name: str) -> bool:
     if name.startswith("unix:"):
         return True
-    host = name.removeprefix("grpc://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(name.removeprefix("grpc://").rpartition(":")[0])
 
 
 def _import_admitted(admitted: _Admitted) -> None:
@@ -708,7 +702,7 @@ def _import_admitted(admitted: _Admitted) -> None:
 def _resolve_admitted(trace: Trace, admitted: _Admitted) -> object:
     """Import an admitted name and return the object it names, checked to be what its role builds
     (None for a remote address, which imports nothing)."""
-    if admitted.name.startswith(("grpc://", "unix:")):
+    if is_remote_address(admitted.name):
         return None
     _import_admitted(admitted)
     if admitted.role in ("target", "reference"):
@@ -992,4 +986,4 @@ def _describe(
 
 def _remote(target: object) -> bool:
     name = target if isinstance(target, str) else getattr(target, "name", "")
-    return isinstance(name, str) and name.startswith(("grpc://", "unix:"))
+    return isinstance(name, str) and is_remote_address(name)

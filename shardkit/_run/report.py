@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from shardkit._core.driver import StepRecord
+from shardkit._core.properties import read_more
 from shardkit._run.runner import FuzzResult
 
-__all__ = ["counts_line", "coverage_table", "print_summary", "render_failure"]
+__all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure"]
 
 
 def coverage_table(result: FuzzResult) -> str:
@@ -25,13 +28,24 @@ def coverage_table(result: FuzzResult) -> str:
     return "\n".join(lines)
 
 
+def failure_lines(property_label: str, records: Sequence[StepRecord], message: str) -> list[str]:
+    """The failing sequence as fuzz and replay print it: every step but the last with what
+    the engine answered, the last one's expected and observed, and where the property is
+    explained."""
+    lines = [f"FAILURE ({property_label}) in {len(records)} steps:"]
+    lines += [f"  step {r.index}: {r.action.describe()}  → {r.observed}" for r in records[:-1]]
+    lines += [f"  {line}" for line in message.splitlines()]
+    where = read_more(property_label)
+    if where is not None:
+        lines.append(f"  (what {property_label} requires: {where} in shardkit's documentation)")
+    return lines
+
+
 def render_failure(result: FuzzResult) -> str:
     """The minimal steps, expected vs observed, and every way to rerun the failure."""
     failure = result.failure
     assert failure is not None
-    lines = [f"FAILURE ({failure.violation.property}) in {len(failure.records)} steps:"]
-    lines += [f"  step {r.index}: {r.action.describe()}  → {r.observed}" for r in failure.records[:-1]]
-    lines += [f"  {line}" for line in failure.violation.message.splitlines()]
+    lines = failure_lines(failure.violation.property, failure.records, failure.violation.message)
     if result.interrupted:
         lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
     elif result.minimized is not None and result.hypothesis_failure is not None:

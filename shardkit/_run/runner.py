@@ -12,10 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import random
 import re
-import shlex
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -32,15 +30,14 @@ from hypothesis.stateful import run_state_machine_as_test
 from shardkit._core.driver import StepFailed
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, ResolvedTarget, short_name
-from shardkit._machine.hypothesis_adapter import deterministic_hypothesis
+from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
-from shardkit._machine.profiles import suite_settings, time_independent
-from shardkit._machine.state_machine import FailureReport, RunStats, ShardMachine, ShrinkBudgetSpent, machine_for
+from shardkit._machine.profiles import time_independent
+from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, build_machine, observed
+from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
 from shardkit._run.regression import regression_test_source
 from shardkit._run.trace import DEFAULT_OUT, trace_document, write_atomically
-from shardkit._transport.isolation import IsolationOptions
 from shardkit._version import __version__
-from shardkit.contract import Role
 
 __all__ = [
     "DEFAULT_OUT",
@@ -49,36 +46,10 @@ __all__ = [
     "fuzz",
     "parse_seed",
     "report_document",
-    "rerun_hint",
-    "run_as_test",
     "run_machine",
 ]
 
 Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """How much work a run may spend, in counts, never in seconds: the same seed then
-    reports the same failure on an idle laptop and on a loaded CI machine.
-
-    ``single_run_examples`` and ``chunk_examples``: a run of at most
-    ``single_run_examples`` is one Hypothesis run; a longer one is a series of Hypothesis
-    runs of at most ``chunk_examples`` each, seeded from the run's seed, so memory stays
-    flat however many examples are asked for (Hypothesis's bookkeeping of one run grows
-    with its examples). ``shrink_steps`` and ``shrink_examples``: steps and examples
-    Hypothesis's shrinker may run after the first failure before the replay minimiser
-    takes over, whichever runs out first. ``minimize_replays``: replays the minimiser
-    may make. ``deepening_examples``: examples of each search for a shorter failure
-    (iterative deepening).
-    """
-
-    single_run_examples: int = 200
-    chunk_examples: int = 100
-    shrink_steps: int = 30_000
-    shrink_examples: int = 3_000
-    minimize_replays: int = 5_000
-    deepening_examples: int = 200
 
 
 @dataclass
@@ -324,7 +295,7 @@ def run_machine(
     out: Path | None,
     minimize: bool = True,
     progress: Progress | None = None,
-    budgets: Budgets = Budgets(),
+    budgets: Budgets = DEFAULT_BUDGETS,
 ) -> FuzzResult:
     """Run Hypothesis on ``machine`` from ``seed``; minimise a failure and write its
     artefacts under ``out``.
@@ -337,7 +308,6 @@ def run_machine(
     else the process imported.
     """
     artefacts = _Artefacts(machine, out, seed)
-    stats = machine.stats
     run_settings = _run_settings(machine, run_settings)
     started = time.perf_counter()
     first_failure: list[tuple[int, float, int]] = []
@@ -352,15 +322,15 @@ def run_machine(
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
 
-    stats.on_failure = on_failure
-    stats.on_example = progress
+    stats = RunObserver(on_failure=on_failure, on_example=progress)
+    run_class = observed(machine, stats)
     captured = io.StringIO()
     interrupted = shrink_cut = False
     try:
         with deterministic_hypothesis(), with_reporter(lambda text: print(text, file=captured)):
             plan = chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples, budgets.single_run_examples)
             for chunk_seed, chunk_examples in plan:
-                test = hypothesis_seed(chunk_seed)(machine)
+                test = hypothesis_seed(chunk_seed)(run_class)
                 chunk_settings = settings(run_settings, max_examples=chunk_examples, derandomize=False)
                 try:
                     run_state_machine_as_test(test, settings=chunk_settings)
@@ -380,9 +350,6 @@ def run_machine(
         if stats.failure is None:
             raise
         captured.write("".join(getattr(error, "__notes__", [])))
-    finally:
-        stats.on_failure = stats.on_example = None
-        stats.shrink_stop_at_step = stats.shrink_stop_at_example = None
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
         try:
@@ -426,7 +393,7 @@ def _deepen(
     minimized: MinimizedFailure,
     budgets: Budgets,
 ) -> MinimizedFailure:
-    """Iterative deepening (SHRINKING.md): search again with fewer steps than the failure
+    """Iterative deepening: search again with fewer steps than the failure
     has, for the same property; a shorter one found is minimised and replaces it. This
     escapes minima that deleting steps cannot leave (a fault-based route to a bug that a
     plainer route reaches in fewer steps)."""
@@ -449,15 +416,14 @@ def _search_shorter(
     budgets: Budgets,
 ) -> FailureReport | None:
     limit = len(failure.records) - 1
-    stats = RunStats(only_property=failure.violation.property)
-    probe = type(f"{machine.__name__}Shorter", (machine,), {"stats": stats})
 
     def start_shrink_budget(found: FailureReport) -> None:
         if stats.shrink_stop_at_step is None:
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
 
-    stats.on_failure = start_shrink_budget
+    stats = RunObserver(only_property=failure.violation.property, on_failure=start_shrink_budget)
+    probe = observed(machine, stats)
     probe_settings = settings(
         run_settings,
         stateful_step_count=limit,
@@ -477,139 +443,52 @@ def _search_shorter(
 
 def fuzz(
     target: str | EngineFactory | ResolvedTarget,
+    options: FuzzOptions | None = None,
     *,
     seed: int,
-    examples: int = 200,
-    steps: int = 50,
-    role: Role | str | None = None,
-    faults: bool | str | Iterable[str] = True,
-    twins: bool = True,
-    reference: str | EngineFactory | ResolvedTarget | None = None,
     out: Path | None = None,
-    model: Callable[[], ReferenceModel] = ReferenceModel,
-    base: type[ShardMachine] = ShardMachine,
-    minimize: bool = True,
     progress: Progress | None = None,
-    isolate: bool | IsolationOptions = False,
-    step_timeout: float | None = None,
-    worker_memory_mb: int | None = None,
-    budgets: Budgets = Budgets(),
+    **changes: Any,
 ) -> FuzzResult:
-    """Fuzz ``target`` reproducibly from ``seed``; on a failure, minimise it further
-    by replay (unless ``minimize`` is False) and write its trace and regression
-    test under ``out`` (if given). ``isolate``, ``step_timeout`` and ``worker_memory_mb``
-    are ``machine_for``'s; the worker processes an isolated run starts end with it."""
-    machine = machine_for(
-        target,
-        role=role,
-        faults=faults,
-        twins=twins,
-        reference=reference,
-        model=model,
-        base=base,
-        isolate=isolate,
-        step_timeout=step_timeout,
-        worker_memory_mb=worker_memory_mb,
-    )
+    """Fuzz ``target`` reproducibly from ``seed`` with ``options`` (``FuzzOptions``; any of
+    its fields may also be given by name: ``fuzz(target, seed=1, examples=500)``); on a
+    failure, minimise it further by replay (unless ``minimize`` is False) and write its
+    trace and regression test under ``out`` (if given). The worker processes an isolated
+    run starts end with it."""
+    options = FuzzOptions.from_fields(options, changes)
+    machine = build_machine(target, **options.machine_options())
     isolation = machine.target.isolation
     started_workers = isolation is not None and not (
         isinstance(target, ResolvedTarget) and target.isolation is isolation
     )
     # Hypothesis's defaults otherwise, exactly as a TestCase run with --shardkit-seed has them,
     # so that both routes report the same failure from the same seed.
-    run_settings = settings(max_examples=examples, stateful_step_count=steps, database=None, derandomize=False)
+    run_settings = settings(
+        max_examples=options.examples, stateful_step_count=options.steps, database=None, derandomize=False
+    )
     try:
         result = run_machine(
-            machine, run_settings, seed=seed, out=out, minimize=minimize, progress=progress, budgets=budgets
+            machine,
+            run_settings,
+            seed=seed,
+            out=out,
+            minimize=options.minimize,
+            progress=progress,
+            budgets=options.budgets,
         )
     finally:
         if started_workers:
             assert isolation is not None
             isolation.close()
-    result.rerun_command = _fuzz_command(machine.target.name, seed, examples, steps, role, faults, twins)
-    if machine.reference is not None:
-        result.rerun_command += f" --reference {shlex.quote(machine.reference.name)}"
-    if isolation is not None:
-        result.rerun_command += " " + " ".join(isolation.options.command_options())
-    elif step_timeout is not None:
-        result.rerun_command += f" --step-timeout {step_timeout:g}"
+    reference = machine.reference.name if machine.reference is not None else None
+    result.rerun_command = options.command(
+        machine.target.name, seed, reference, isolation.options if isolation is not None else None
+    )
     return result
 
 
-def _fuzz_command(
-    target: str, seed: int, examples: int, steps: int, role: str | None, faults: object, twins: bool
-) -> str:
-    parts = ["shardkit", "fuzz", shlex.quote(target), "--seed", str(seed)]
-    if role not in (None, "any"):
-        parts += ["--role", str(role)]
-    if examples != 200:
-        parts += ["--examples", str(examples)]
-    if steps != 50:
-        parts += ["--steps", str(steps)]
-    if faults not in (True, "all"):
-        listed = faults if isinstance(faults, str) else ("none" if faults is False else ",".join(sorted(faults)))  # type: ignore[call-overload]
-        parts += ["--faults", listed]
-    if not twins:
-        parts.append("--no-twins")
-    return " ".join(parts)
-
-
-def suite_seed(machine: type[ShardMachine], derandomized: bool) -> int:
-    """The seed of a pytest run that names none: derived from the machine's identity when
-    the profile is derandomized (every run repeats the same examples), else a fresh one,
-    which a failure prints."""
-    if derandomized:
-        return int.from_bytes(hashlib.sha256(machine_identity(machine).encode()).digest()[:4], "little")
-    return random.SystemRandom().randrange(2**32)
-
-
-def run_as_test(machine: type[ShardMachine], explicit_settings: settings | None) -> None:
-    """What a machine's ``TestCase`` runs under pytest: the same run as ``shardkit fuzz``,
-    raising ``AssertionError`` with the minimal failure and how to rerun it.
-
-    With ``--shardkit-seed N`` the run is exactly ``shardkit fuzz … --seed N`` (same
-    settings, no example database); otherwise it runs under the suite's settings or profile
-    (``_profiles.suite_settings``) with a seed derived as ``suite_seed`` says."""
-    from shardkit._run.report import render_failure
-    from shardkit.pytest_plugin import session_overrides
-
-    __tracebackhide__ = True  # pytest: show the failure, not the runner's frames
-    overrides = session_overrides()
-    suite = machine
-    if overrides.engine is not None:
-        machine = machine_for(overrides.engine, **machine.build_options)
-    run_settings, _ = suite_settings(explicit_settings)
-    if overrides.seed is not None:
-        seed = overrides.seed
-        run_settings = settings(run_settings, database=None, derandomize=False)
-    else:
-        seed = suite_seed(machine, run_settings.derandomize)
-    result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
-    if result.failure is not None:
-        engine = f" --shardkit-engine {shlex.quote(overrides.engine)}" if overrides.engine is not None else ""
-        # pytest names the running test in PYTEST_CURRENT_TEST ("path::Class::test (call)"):
-        # rerun that test alone, not every suite the project's testpaths collect.
-        current = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
-        selected = f" {shlex.quote(current)}" if current else ""
-        result.rerun_command = f"pytest{selected} --shardkit-seed {seed}{engine}"
-        if overrides.seed is None and run_settings.derandomize:
-            result.rerun_command += "  (or plain pytest: the profile is derandomized)"
-        message = render_failure(result)
-        _RERUN_HINTS[suite] = message[message.index("reproduce:") :]
-        raise AssertionError(message)
-
-
-_RERUN_HINTS: dict[type[ShardMachine], str] = {}
-
-
-def rerun_hint(run_test: object) -> str | None:
-    """The reproduction commands of the last failure of the machine behind a TestCase's runTest."""
-    machine = getattr(run_test, "_hypothesis_state_machine_class", None)
-    return _RERUN_HINTS.get(machine) if isinstance(machine, type) else None
-
-
 def report_document(result: FuzzResult) -> dict[str, Any]:
-    """The ``--report`` JSON (SPEC §6); its keys are a stable schema."""
+    """The ``--report`` JSON (contract §6); its keys are a stable schema."""
     coverage: dict[str, dict[str, int]] = {}
     for (op, outcome), count in sorted(result.coverage.items()):
         coverage.setdefault(op, {})[outcome] = count

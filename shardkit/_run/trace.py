@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit._core.driver import StepRecord, Violation
-from shardkit._transport.isolation import IsolationOptions
+from shardkit._core.targets import FILE_MODULE_PREFIX, IsolationOptions, is_remote_address
 from shardkit._version import __version__
 from shardkit.contract import LoadRequest
 
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 #: The module name ``shardkit._core.targets`` gives a ``file.py:attr`` target's file when it imports it.
-FILE_MODULE_PREFIX = "_shardkit_target_"
 
 #: Where failure traces and regression tests go unless told otherwise.
 DEFAULT_OUT = Path(".shardkit/failures")
@@ -123,7 +122,7 @@ def code_location(name: str) -> dict[str, str]:
     address, a bundled shardkit engine, a built-in module). Imports nothing.
     """
     module, colon, attr = name.rpartition(":")
-    if not colon or not module or not attr or name.startswith(("grpc://", "unix:")):
+    if not colon or not module or not attr or is_remote_address(name):
         return {}
     if module.endswith(".py"):
         return {"file": str(Path(module).resolve())}

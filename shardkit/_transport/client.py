@@ -12,7 +12,7 @@ naming the address and the operation, never a hang:
 - ``RemoteEngineCrashed`` — the engine raised (a process death for the kit);
   ``exception_type`` names what it raised;
 - ``RemoteProtocolError`` — another protocol version, a missing RPC, or an answer
-  that does not decode to a SPEC §1 value.
+  that does not decode to a contract §1 value.
 
 For the kit (engines built by ``remote_target``), losing the server is not a finding about
 the engine: a call that finds the server gone, or the engine evicted by it, raises
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from shardkit._core.targets import EngineLost, ResolvedTarget
+from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, EngineLost, ResolvedTarget, check_seconds
 from shardkit._transport import codec
 from shardkit._version import __version__
 from shardkit.contract import (
@@ -53,7 +52,15 @@ from shardkit.contract import (
     StepResult,
     StructuredStatus,
 )
-from shardkit.errors import InvalidTarget, ShardkitError
+from shardkit.errors import (
+    InvalidTarget,
+    RemoteDeadlineExceeded,
+    RemoteEngineCrashed,
+    RemoteEngineError,
+    RemoteEngineEvicted,
+    RemoteProtocolError,
+    RemoteUnavailable,
+)
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 
@@ -73,56 +80,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT_SECONDS = 5.0
+#: A call's deadline unless told otherwise: the kit's, for every engine in another process.
+DEFAULT_TIMEOUT_SECONDS = DEFAULT_STEP_TIMEOUT
 #: How long ``close()`` waits for the server to drop an engine: best effort.
 _CLOSE_TIMEOUT_SECONDS = 1.0
-_EXCEPTION_TYPE_KEY = "shardkit-exception-type"  # as the server sends it (server.EXCEPTION_TYPE_KEY)
-_EVICTED_KEY = "shardkit-engine-evicted"  # as the server sends it (server.EVICTED_KEY)
-
-
-class RemoteEngineError(ShardkitError):
-    """A call to a remote engine failed; ``address`` and ``operation`` say which."""
-
-    def __init__(
-        self, message: str, *, address: str, operation: str, code: str | None = None, details: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.address = address
-        self.operation = operation
-        #: The gRPC status code's name and details, when the failure came as one.
-        self.code = code
-        self.details = details
-
-
-class RemoteUnavailable(RemoteEngineError):
-    """The server cannot be reached: nothing listens there, or it went away."""
-
-
-class RemoteDeadlineExceeded(RemoteEngineError):
-    """No answer within the call's deadline: the engine hangs or is too slow."""
-
-    def __init__(
-        self, message: str, *, address: str, operation: str, timeout_seconds: float, details: str = ""
-    ) -> None:
-        super().__init__(message, address=address, operation=operation, code="DEADLINE_EXCEEDED", details=details)
-        self.timeout_seconds = timeout_seconds
-
-
-class RemoteEngineCrashed(RemoteEngineError):
-    """The engine raised inside the server: for the kit, the engine process died."""
-
-    def __init__(self, message: str, *, address: str, operation: str, exception_type: str, details: str = "") -> None:
-        super().__init__(message, address=address, operation=operation, code="INTERNAL", details=details)
-        #: The type name of what the engine raised, e.g. ``"FakeEngineCrash"``.
-        self.exception_type = exception_type
-
-
-class RemoteEngineEvicted(RemoteEngineError):
-    """The server dropped this engine to stay within its limit of live engines (``--max-engines``)."""
-
-
-class RemoteProtocolError(RemoteEngineError):
-    """The server speaks another protocol version, lacks an RPC, or answered garbage."""
 
 
 def parse_address(address: str) -> tuple[str, str]:
@@ -172,18 +133,18 @@ class _Connection:
             message = f"{self.url}: {operation} got no answer within its {timeout:g} s deadline (the engine hangs or is too slow)"
             return RemoteDeadlineExceeded(message, timeout_seconds=timeout, **where)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            _forget(self)  # the next engine on this address connects and handshakes afresh
+            _CONNECTIONS.forget(self)  # the next engine on this address connects and handshakes afresh
             message = (
                 f"{self.url}: {operation} failed: the engine server is unreachable "
                 f"(nothing listens there, or it went away): {details}"
             )
             return RemoteUnavailable(message, code=code.name, **where)
         if code == grpc.StatusCode.INTERNAL:
-            exception_type = _trailing(error).get(_EXCEPTION_TYPE_KEY)
+            exception_type = _trailing(error).get(codec.EXCEPTION_TYPE_KEY)
             if exception_type is not None:
                 message = f"{self.url}: {operation}: the engine raised {details}"
                 return RemoteEngineCrashed(message, exception_type=str(exception_type), **where)
-        if code == grpc.StatusCode.FAILED_PRECONDITION and _EVICTED_KEY in _trailing(error):
+        if code == grpc.StatusCode.FAILED_PRECONDITION and codec.EVICTED_KEY in _trailing(error):
             message = f"{self.url}: {operation}: the server evicted this engine: {details}"
             return RemoteEngineEvicted(message, code=code.name, **where)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -245,13 +206,44 @@ def _trailing(error: Any) -> dict[str, Any]:
     return dict(error.trailing_metadata() or ())
 
 
-_connections: dict[str, _Connection] = {}
-_connections_lock = threading.Lock()
+class _Connections:
+    """The cached channel of each address, shared by every engine on it; the process has one
+    (``_CONNECTIONS``), which ``close_connections()`` empties."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, _Connection] = {}
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> _Connection | None:
+        with self._lock:
+            return self._by_url.get(url)
+
+    def keep(self, connection: _Connection) -> _Connection:
+        """The cached connection of its address: ``connection``, unless another thread cached one first."""
+        with self._lock:
+            return self._by_url.setdefault(connection.url, connection)
+
+    def forget(self, connection: _Connection) -> None:
+        with self._lock:
+            if self._by_url.get(connection.url) is connection:
+                del self._by_url[connection.url]
+
+    def pop(self, url: str) -> _Connection | None:
+        with self._lock:
+            return self._by_url.pop(url, None)
+
+    def pop_all(self) -> list[_Connection]:
+        with self._lock:
+            connections = list(self._by_url.values())
+            self._by_url.clear()
+        return connections
+
+
+_CONNECTIONS = _Connections()
 
 
 def _connect(url: str, dial: str, timeout: float, wait_for_ready: bool) -> _Connection:
-    with _connections_lock:
-        connection = _connections.get(url)
+    connection = _CONNECTIONS.get(url)
     if connection is not None:
         return connection
     connection = _Connection(url, dial)
@@ -260,34 +252,23 @@ def _connect(url: str, dial: str, timeout: float, wait_for_ready: bool) -> _Conn
     except BaseException:
         connection.close()
         raise
-    with _connections_lock:
-        # Another thread may have connected meanwhile: keep one channel per address.
-        kept = _connections.setdefault(url, connection)
+    # Another thread may have connected meanwhile: keep one channel per address.
+    kept = _CONNECTIONS.keep(connection)
     if kept is not connection:
         connection.close()
     return kept
 
 
-def _forget(connection: _Connection) -> None:
-    with _connections_lock:
-        if _connections.get(connection.url) is connection:
-            del _connections[connection.url]
-
-
 def close_connection(url: str) -> None:
     """Close the cached channel to ``url`` (a server known to be gone), if there is one."""
-    with _connections_lock:
-        connection = _connections.pop(url, None)
+    connection = _CONNECTIONS.pop(url)
     if connection is not None:
         connection.close()
 
 
 def close_connections() -> None:
     """Close every cached channel; engines still using one fail with ``RemoteUnavailable``."""
-    with _connections_lock:
-        connections = list(_connections.values())
-        _connections.clear()
-    for connection in connections:
+    for connection in _CONNECTIONS.pop_all():
         connection.close()
 
 
@@ -319,11 +300,7 @@ class RemoteShardEngine(ShardEngine):
         wait_for_server: bool = False,
         loss_ends_run: bool = False,
     ) -> None:
-        if isinstance(timeout_seconds, bool) or not (
-            isinstance(timeout_seconds, (int, float)) and math.isfinite(timeout_seconds) and timeout_seconds > 0
-        ):
-            message = f"timeout_seconds must be a finite number of seconds > 0, got {timeout_seconds!r}"
-            raise ValueError(message)
+        check_seconds("timeout_seconds", timeout_seconds)
         self.url, dial = parse_address(address)
         self.timeout_seconds = float(timeout_seconds)
         self.loss_ends_run = loss_ends_run

@@ -1,10 +1,10 @@
-"""Between the SPEC §1 dataclasses and the ``shardkit.v1`` protobuf messages.
+"""Between the contract §1 dataclasses and the ``shardkit.v1`` protobuf messages.
 
 ``*_to_pb`` encodes, ``*_from_pb`` decodes; a round trip gives back an equal value.
 Two choices the wire forces, both written down in ``shard_engine.proto``:
 
 - **Ints.** Every int travels as ``sint64`` (the kit sends -1 on purpose). Epochs and
-  steps are the exception: the kit also sends ``2**63`` to check SPEC §2 rule 2, so each
+  steps are the exception: the kit also sends ``2**63`` to check contract §2 rule 2, so each
   sits in a oneof with a ``*_decimal`` string member that carries a value outside int64
   exactly. Any other int outside int64 cannot be encoded: ``WireFormatError`` names the
   field (no engine could hold such a count, id or size anyway).
@@ -15,13 +15,19 @@ Decoding checks what the dataclasses check, plus the wire's own rules (an
 ``UNSPECIFIED`` enum, a missing required message, a non-decimal ``*_decimal``), and
 raises ``WireFormatError`` naming the message and field: from another process that is
 garbage, not an engine's answer.
+
+It also holds the rest of what both ends must agree on, so that each is written once: the
+trailing metadata the server sends beside a status, and the exit codes by which a worker
+process of ``--isolate`` tells the kit why it ended.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from shardkit.contract import (
@@ -41,10 +47,14 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.errors import ShardkitError
+from shardkit.errors import WireFormatError
 from shardkit.proto import shard_engine_pb2 as pb
 
 __all__ = [
+    "EVICTED_KEY",
+    "EXCEPTION_TYPE_KEY",
+    "EXIT_ENGINE_RAISED",
+    "EXIT_OUT_OF_MEMORY",
     "GRPC_OPTIONS",
     "INT64_MAX",
     "INT64_MIN",
@@ -94,7 +104,15 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
 
 
 #: Channel and server options on both ends (``grpc_options()`` at ``MAX_MESSAGE_BYTES``).
-GRPC_OPTIONS: list[tuple[str, int]] = grpc_options()
+GRPC_OPTIONS: tuple[tuple[str, int], ...] = tuple(grpc_options())
+
+#: Trailing metadata naming the type of the exception an engine raised (status ``INTERNAL``).
+EXCEPTION_TYPE_KEY = "shardkit-exception-type"
+#: Trailing metadata of a call naming an engine the server evicted (its value: the limit).
+EVICTED_KEY = "shardkit-engine-evicted"
+#: A worker's exit code when its engine raised (EX_SOFTWARE), and when it raised MemoryError.
+EXIT_ENGINE_RAISED = 70
+EXIT_OUT_OF_MEMORY = 71
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DECIMAL = re.compile(r"-?[0-9]+")
@@ -103,17 +121,15 @@ T = TypeVar("T")
 StepRequest = PrefillRequest | DecodeRequest
 
 
-class WireFormatError(ShardkitError, ValueError):
-    """A value that cannot be encoded, or a message that does not decode to a §1 value."""
-
-
 # Typed Any: the generated stubs type enum fields by their own wrapper class.
-_STATUS_TO_PB: dict[StatusCode, Any] = {code: pb.StatusCode.Value(f"STATUS_CODE_{code.name}") for code in StatusCode}
-_STATUS_FROM_PB: dict[int, StatusCode] = {number: code for code, number in _STATUS_TO_PB.items()}
-_CACHE_TO_PB: dict[CacheResult, Any] = {
-    cache: pb.CacheResult.Value(f"CACHE_RESULT_{cache.name}") for cache in CacheResult
-}
-_CACHE_FROM_PB: dict[int, CacheResult] = {number: cache for cache, number in _CACHE_TO_PB.items()}
+_STATUS_TO_PB: Mapping[StatusCode, Any] = MappingProxyType(
+    {code: pb.StatusCode.Value(f"STATUS_CODE_{code.name}") for code in StatusCode}
+)
+_STATUS_FROM_PB: Mapping[int, StatusCode] = MappingProxyType({number: code for code, number in _STATUS_TO_PB.items()})
+_CACHE_TO_PB: Mapping[CacheResult, Any] = MappingProxyType(
+    {cache: pb.CacheResult.Value(f"CACHE_RESULT_{cache.name}") for cache in CacheResult}
+)
+_CACHE_FROM_PB: Mapping[int, CacheResult] = MappingProxyType({number: cache for cache, number in _CACHE_TO_PB.items()})
 
 
 def _decoded(owner: str, build: Callable[[], T]) -> T:
@@ -386,7 +402,8 @@ def health_from_pb(message: pb.HealthResult) -> HealthResult:
     return _decoded("HealthResult", lambda: HealthResult(status, message.serving))
 
 
-_METRICS = ("prefill_calls", "decode_calls", "active_sessions", "kv_tokens")
+#: ``MetricsResult``'s counters, in its order: the dataclass is their one list.
+_METRICS = tuple(field.name for field in dataclasses.fields(MetricsResult))
 
 
 def metrics_to_pb(result: MetricsResult) -> pb.MetricsResult:

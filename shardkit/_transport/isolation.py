@@ -1,104 +1,32 @@
-"""Isolation: the engine under test runs in a child process the kit can lose.
+"""Isolation, and the options of a target's calls: the top of the transport room.
 
 A native engine dies in ways Python cannot catch (an abort, a segfault, a hang,
 memory exhaustion). ``isolated_target`` wraps a Python engine target so every engine it
-builds lives in a child ``shardkit serve --worker`` process (see
-``remote/worker.py``); when the child dies, misses a call's deadline or answers
-garbage, the driver asks the isolation what happened (``death``) and reports it
-as an ordinary step failure, and the next engine comes from a fresh child.
+builds lives in a child ``shardkit serve --worker`` process (see ``worker.py``); when the
+child dies, misses a call's deadline or answers garbage, the driver asks the isolation
+what happened (``death``) and reports it as an ordinary step failure, and the next engine
+comes from a fresh child. ``target_with_options`` is what the commands call: a target
+resolved, isolated if asked, with the deadline of its calls set.
 
-This module holds what the driver, the runner and the trace need to know about
-isolation without importing gRPC; the workers themselves need the ``grpc`` extra.
+What the driver, the runner and the trace need to know about isolation (``Isolation``,
+``IsolationOptions``, ``ProcessDeath``) is in ``shardkit._core.targets``: they import
+neither this module nor gRPC. This module imports gRPC only when it starts workers or
+sets a remote target's deadline (the ``grpc`` extra).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Protocol
-
-from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._core.targets import (
+    DEFAULT_STEP_TIMEOUT,
+    EngineFactory,
+    IsolationOptions,
+    ResolvedTarget,
+    is_remote_address,
+)
+from shardkit._transport.resolve import resolve_target
 from shardkit.errors import InvalidTarget
 
-__all__ = [
-    "DEFAULT_STEP_TIMEOUT",
-    "Isolation",
-    "IsolationOptions",
-    "ProcessDeath",
-    "isolated_target",
-    "target_with_options",
-]
-
-#: Seconds each call to an isolated (or remote) engine may take before it counts as a hang.
-DEFAULT_STEP_TIMEOUT = 5.0
-
-
-@dataclass(frozen=True)
-class IsolationOptions:
-    """How an isolated engine runs: each call's deadline, and the worker's memory limit
-    (``None``: no limit beyond the machine's)."""
-
-    step_timeout: float = DEFAULT_STEP_TIMEOUT
-    worker_memory_mb: int | None = None
-
-    def __post_init__(self) -> None:
-        timeout = self.step_timeout
-        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if not (number and math.isfinite(timeout) and timeout > 0):
-            message = f"step_timeout must be a finite number of seconds > 0, got {timeout!r}"
-            raise ValueError(message)
-        memory = self.worker_memory_mb
-        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
-            message = f"worker_memory_mb must be a positive whole number of MiB or None, got {memory!r}"
-            raise ValueError(message)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step_timeout": self.step_timeout, "worker_memory_mb": self.worker_memory_mb}
-
-    def command_options(self) -> list[str]:
-        """The ``shardkit fuzz``/``replay`` options that ask for these settings."""
-        options = ["--isolate"]
-        if self.step_timeout != DEFAULT_STEP_TIMEOUT:
-            options += ["--step-timeout", f"{self.step_timeout:g}"]
-        if self.worker_memory_mb is not None:
-            options += ["--worker-memory", str(self.worker_memory_mb)]
-        return options
-
-
-@dataclass(frozen=True)
-class ProcessDeath:
-    """How an isolated engine's process ended a call.
-
-    ``property`` is stable across runs (what minimisation preserves), e.g.
-    ``"process killed by SIGSEGV"``; ``summary`` completes "engine process …", e.g.
-    ``"killed by SIGSEGV"``; ``stderr_tail`` is the end of what the process printed.
-    """
-
-    property: str
-    summary: str
-    stderr_tail: tuple[str, ...] = ()
-
-    def quoted_tail(self) -> str:
-        """The tail, one ``  | line`` per line, each after a newline (empty if it printed nothing)."""
-        return "".join(f"\n  | {line}" for line in self.stderr_tail)
-
-
-class Isolation(Protocol):
-    """What the driver and the runner ask of an isolated target (see ``remote/worker.py``)."""
-
-    options: IsolationOptions
-
-    def death(self, error: BaseException) -> ProcessDeath | None:
-        """What ``error`` (raised by a call to one of this target's engines) means: the
-        process's death, a missed deadline or a garbage answer, or None for an error that
-        is not about the process. A process that may still run is killed first."""
-
-    def kill(self) -> None:
-        """End the current process at once, as an injected crash does; the next engine
-        comes from a fresh one."""
-
-    def close(self) -> None:
-        """End every process this isolation started; closing twice is fine."""
+__all__ = ["isolated_target", "target_with_options"]
 
 
 def isolated_target(
@@ -117,7 +45,7 @@ def isolated_target(
             raise ValueError(message)
         return resolved
     name = resolved.name
-    if name.startswith(("grpc://", "unix:")):
+    if is_remote_address(name):
         message = f"--isolate runs a Python engine target in a child process; {name} is already out of process"
         raise InvalidTarget(message)
     if "<" in name or name.startswith("__main__:"):
@@ -163,7 +91,7 @@ def target_with_options(
     if step_timeout is None:
         return resolve_target(target)
     IsolationOptions(step_timeout)  # validates it
-    if isinstance(target, str) and target.startswith(("grpc://", "unix:")):
+    if isinstance(target, str) and is_remote_address(target):
         from shardkit._transport.client import remote_target
 
         return remote_target(target, timeout_seconds=step_timeout)

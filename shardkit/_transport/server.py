@@ -24,7 +24,6 @@ the exception, as a native engine's process would die (see ``worker.py``).
 from __future__ import annotations
 
 import collections
-import ipaddress
 import itertools
 import os
 import threading
@@ -37,8 +36,9 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from shardkit._core.targets import EngineFactory, ResolvedTarget, resolve_target
+from shardkit._core.targets import EngineFactory, ResolvedTarget
 from shardkit._transport import codec
+from shardkit._transport.resolve import resolve_target
 from shardkit._version import __version__
 from shardkit.contract import DecodeRequest, EngineError, FaultInjectable, PrefillRequest, ShardEngine
 from shardkit.errors import ShardkitError
@@ -47,32 +47,20 @@ from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_MAX_ENGINES",
-    "EVICTED_KEY",
-    "EXCEPTION_TYPE_KEY",
-    "EXIT_ENGINE_RAISED",
-    "EXIT_OUT_OF_MEMORY",
     "EngineServer",
     "ShardEngineServicer",
-    "is_loopback",
     "parse_listen",
     "serve",
 ]
 
 T = TypeVar("T")
 
-#: Trailing metadata naming the type of the exception an engine raised.
-EXCEPTION_TYPE_KEY = "shardkit-exception-type"
-#: Trailing metadata of a call naming an engine this server evicted (its value: the limit).
-EVICTED_KEY = "shardkit-engine-evicted"
 #: Engines one server keeps alive at once. A kit's run holds a handful (the engine under test,
 #: a twin or two per session, a fresh engine per unloaded step), so this leaves room for
 #: many kits on one server while bounding what clients that never close their engines cost.
 DEFAULT_MAX_ENGINES = 256
 #: Evicted engine ids remembered, to answer "evicted" rather than "unknown" (bounded too).
 _EVICTED_REMEMBERED = 4096
-#: A worker's exit code when its engine raised (EX_SOFTWARE), and when it raised MemoryError.
-EXIT_ENGINE_RAISED = 70
-EXIT_OUT_OF_MEMORY = 71
 _WORKERS = 8
 
 
@@ -271,7 +259,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                 "dropped the least recently used when a client asked for more; close engines you no longer use "
                 "(CloseEngine), or start the server with a higher --max-engines"
             )
-            context.set_trailing_metadata([(EVICTED_KEY, str(self.max_engines))])
+            context.set_trailing_metadata([(codec.EVICTED_KEY, str(self.max_engines))])
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, details)
         if slot is None:
             details = f"no engine {engine_id} on this server (closed, or the server restarted); call NewEngine"
@@ -285,12 +273,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                 failure = error
         self._report(f"engine {engine_id}: {operation}", failure)
         self._die_if_fatal(failure)
-        context.set_trailing_metadata([(EXCEPTION_TYPE_KEY, _ascii(type(failure).__qualname__))])
+        context.set_trailing_metadata([(codec.EXCEPTION_TYPE_KEY, _ascii(type(failure).__qualname__))])
         _abort(context, grpc.StatusCode.INTERNAL, _describe(failure))
 
     def _die_if_fatal(self, error: BaseException) -> None:
         if self.fatal_exceptions:
-            os._exit(EXIT_OUT_OF_MEMORY if isinstance(error, MemoryError) else EXIT_ENGINE_RAISED)
+            os._exit(codec.EXIT_OUT_OF_MEMORY if isinstance(error, MemoryError) else codec.EXIT_ENGINE_RAISED)
 
     def _report(self, where: str, error: BaseException) -> None:
         """One line per exception (and its notes), with the line that raised it: a crash
@@ -309,16 +297,6 @@ def _describe(error: BaseException) -> str:
 
 def _ascii(text: str) -> str:
     return text.encode("ascii", "backslashreplace").decode("ascii")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (of a ``HOST:PORT`` address) is reachable only from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
-    except ValueError:
-        return False  # another host name: it may resolve to any interface
 
 
 def parse_listen(listen: str) -> tuple[str, str | None]:
@@ -376,8 +354,8 @@ def serve(
 
     ``protocol_version`` exists so tests can play an incompatible server; ``log`` gets a
     line for every exception an engine raises (``shardkit serve`` passes stderr);
-    ``fatal_exceptions`` ends the process after that line (exit ``EXIT_ENGINE_RAISED``, or
-    ``EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does;
+    ``fatal_exceptions`` ends the process after that line (exit ``codec.EXIT_ENGINE_RAISED``, or
+    ``codec.EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does;
     ``max_engines`` bounds the engines kept alive (the least recently used is evicted);
     ``max_message_bytes`` bounds each message received or sent.
     """

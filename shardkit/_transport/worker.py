@@ -29,18 +29,17 @@ import threading
 import time
 from pathlib import Path
 
-from shardkit._transport.client import (
+from shardkit._core.targets import IsolationOptions, ProcessDeath
+from shardkit._transport.client import RemoteShardEngine, close_connection
+from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
+from shardkit.contract import ShardEngine
+from shardkit.errors import (
+    InvalidTarget,
     RemoteDeadlineExceeded,
     RemoteEngineCrashed,
     RemoteEngineError,
-    RemoteShardEngine,
     RemoteUnavailable,
-    close_connection,
 )
-from shardkit._transport.isolation import IsolationOptions, ProcessDeath
-from shardkit._transport.server import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
-from shardkit.contract import ShardEngine
-from shardkit.errors import InvalidTarget
 
 __all__ = ["WorkerPool", "live_worker_pids", "watch_parent"]
 
@@ -169,7 +168,7 @@ class WorkerPool:
         self._deaths = 0
         self._lock = threading.RLock()
         self._closed = False
-        _POOLS.add(self)
+        _OPEN_POOLS.add(self)
 
     def __repr__(self) -> str:
         return f"WorkerPool({self.target!r}, {self.options})"
@@ -291,7 +290,7 @@ class WorkerPool:
                 worker.kill()  # a dead worker is only reaped and its pipe closed
             self._current = self._spare = None
         shutil.rmtree(self._folder, ignore_errors=True)
-        _POOLS.discard(self)
+        _OPEN_POOLS.discard(self)
 
 
 def _engine_thread(lines: list[str]) -> tuple[str, ...]:
@@ -315,18 +314,38 @@ def _exit_text(code: int) -> str:
     return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
 
 
-#: Open pools, held until closed so that none is collected with its workers still running.
-_POOLS: set[WorkerPool] = set()
+class _OpenPools:
+    """The pools of this process not yet closed, held so that none is collected with its
+    workers still running, and closed at exit; the process has one (``_OPEN_POOLS``)."""
+
+    def __init__(self) -> None:
+        self._pools: set[WorkerPool] = set()
+        self._lock = threading.Lock()
+
+    def add(self, pool: WorkerPool) -> None:
+        with self._lock:
+            self._pools.add(pool)
+
+    def discard(self, pool: WorkerPool) -> None:
+        with self._lock:
+            self._pools.discard(pool)
+
+    def snapshot(self) -> list[WorkerPool]:
+        with self._lock:
+            return list(self._pools)
+
+
+_OPEN_POOLS = _OpenPools()
 
 
 def live_worker_pids() -> list[int]:
     """Every worker process of this process's pools that still runs (for tests and checks)."""
-    return [pid for pool in list(_POOLS) for pid in pool.pids]
+    return [pid for pool in _OPEN_POOLS.snapshot() for pid in pool.pids]
 
 
 @atexit.register
 def _close_every_pool() -> None:
-    for pool in list(_POOLS):
+    for pool in _OPEN_POOLS.snapshot():
         pool.close()
 
 

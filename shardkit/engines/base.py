@@ -1,29 +1,56 @@
-"""``SessionEngine``: the SPEC §2 session lifecycle and the §4 native faults, shared by engines.
+"""``SessionEngine``: the base class for writing an engine, and the types its hooks use.
 
-Everything an engine does that is not arithmetic lives here: rule 2's input validation,
-unknown sessions, epochs and restarts, cancel, idempotent retries, capacity, cache
-HIT/MISS, metrics, health, the delay / memory_pressure / malformed_output / crash faults,
-and the step-delay, structural-corruption and scheduled-crash knobs. A subclass supplies
-its numerics only:
+``SessionEngine`` implements everything contract v1 asks of an engine that is not
+arithmetic: rule 2's input validation, unknown sessions, epochs and restarts, cancel,
+idempotent retries, capacity (slots and KV tokens), cache HIT/MISS, ``metrics()``,
+``health()``, every contract §4 fault natively (delay, memory_pressure, malformed_output,
+crash), and the step-delay, structural-corruption and scheduled-crash knobs. A subclass
+supplies its numerics only, through four hooks:
 
-- an :class:`EngineSpec` (sizes, budgets, architecture, dtype) and the class variables
-  ``ENGINE_NAME`` (used in messages), ``EVIDENCE_CLASS`` and ``TOLERANCE``;
-- ``_load_layers(request, layers, role)``: get ready to serve a layer range, or raise
+- ``load_layers(request, layers, role)``: get ready to serve a layer range, or raise
   ``EngineError`` for one it cannot serve;
-- ``_fresh_cache()``: the per-session cache of a new session epoch;
-- ``_forward(cache, step_input) -> (new_cache, produced)``: run one accepted step. It must
-  not change ``cache``: the base stores ``new_cache`` only once the step is admitted and
-  done, so a refused or failed step leaves the session as it was. ``produced`` is, for a
-  head or middle, the output residual rows (an ``(n, hidden)`` array, or its little-endian
-  C-order bytes); for a tail or full shard, the last row's logits (the base takes the
-  greedy token and its margin) or a ready ``TokenOutput``.
+- ``fresh_cache()``: the per-session cache of a new session epoch (any object);
+- ``forward(cache, step) -> (new_cache, produced)``: run one admitted step on top of the
+  session's cache (see ``forward`` for what ``produced`` may be);
+- ``release_cache(cache)`` (optional): a cache is dropped, for engines whose caches hold
+  memory outside Python objects (llama.cpp's KV sequences).
 
-The module is private: engines subclass it, users import the engines.
+plus an ``EngineSpec`` (sizes, budgets, architecture, dtype) passed to ``__init__`` and two
+class variables: ``EVIDENCE_CLASS`` ("fixture" for a synthetic engine, "real" for real
+model arithmetic) and ``TOLERANCE`` (the absolute tolerance on residual values and logit
+margins; 0.0 is bit-exact). ``ENGINE_NAME``, the name used in messages, defaults to the
+class name.
+
+A minimal complete engine — one layer, so it serves the ``full`` role only; its "model"
+predicts the sum of the history modulo the vocabulary, and its cache is the history::
+
+    from shardkit import EngineSpec, SessionEngine, StepInput, TokenOutput
+
+    class SumEngine(SessionEngine[tuple[int, ...]]):
+        EVIDENCE_CLASS = "fixture"
+        TOLERANCE = 0.0
+
+        def __init__(self) -> None:
+            super().__init__(EngineSpec(architecture="sum", total_layers=1, hidden_size=4, vocab_size=16,
+                                        dtype="float32", max_sessions=4, max_kv_tokens=64))
+
+        def load_layers(self, request, layers, role) -> None:
+            pass  # nothing to load: one layer, always the full role
+
+        def fresh_cache(self) -> tuple[int, ...]:
+            return ()
+
+        def forward(self, cache: tuple[int, ...], step: StepInput) -> tuple[tuple[int, ...], TokenOutput]:
+            history = cache + (step.token_ids or ())
+            return history, TokenOutput(sum(history) % 16)
+
+``docs/extending.md`` walks through it and through an engine serving several roles.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,7 +61,7 @@ import numpy.typing as npt
 
 from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
-    EPOCH_STEP_LIMIT,
+    EVIDENCE_CLASSES,
     FAULT_KINDS,
     OUTPUT_BOUNDARY_POINT,
     RESIDUAL_TENSOR,
@@ -57,22 +84,16 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
+from shardkit.engines._checks import identity_problem, is_int_at_least, refusal
 
-__all__ = [
-    "EngineSpec",
-    "Produced",
-    "ServedRange",
-    "SessionEngine",
-    "StepInput",
-    "identity_problem",
-    "is_int_at_least",
-    "refusal",
-    "token_from_logits",
-]
+__all__ = ["EngineSpec", "Produced", "SessionEngine", "StepInput"]
 
 CacheT = TypeVar("CacheT")
 StepRequest = PrefillRequest | DecodeRequest
-#: What ``_forward`` hands back besides the new cache (see the module docstring).
+#: What ``forward`` hands back besides the new cache: for a head or middle shard the output
+#: residual rows (an ``(n, hidden_size)`` array, or its little-endian C-order bytes); for a
+#: tail or full shard the last row's logits (a 1-D array: the base takes the greedy token
+#: and its margin) or a ready ``TokenOutput``.
 Produced = bytes | npt.NDArray[Any] | TokenOutput
 
 _OK = StructuredStatus(StatusCode.OK)
@@ -84,7 +105,13 @@ _MALFORMED_TOLERANCES = 1000.0
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """The sizes and budgets a ``SessionEngine`` reports in ``capabilities()``."""
+    """The sizes and budgets a ``SessionEngine`` reports in ``capabilities()``.
+
+    ``total_layers`` is the whole model's depth (an engine then loads a range of it);
+    ``hidden_size`` the width of a boundary residual row; ``vocab_size`` the number of
+    token ids; ``dtype`` the residual's numpy dtype name; ``max_sessions`` and
+    ``max_kv_tokens`` the budgets rule 7 enforces (slots, and cached tokens over all
+    sessions)."""
 
     architecture: str
     total_layers: int
@@ -94,9 +121,32 @@ class EngineSpec:
     max_sessions: int
     max_kv_tokens: int
 
+    def __post_init__(self) -> None:
+        checks = [
+            ("architecture", isinstance(self.architecture, str) and self.architecture != "", "a non-empty str"),
+            ("total_layers", is_int_at_least(self.total_layers, 1), "an int >= 1"),
+            ("hidden_size", is_int_at_least(self.hidden_size, 1), "an int >= 1"),
+            ("vocab_size", is_int_at_least(self.vocab_size, 1), "an int >= 1"),
+            ("dtype", isinstance(self.dtype, str) and _is_dtype(self.dtype), "a numpy dtype name such as 'float32'"),
+            ("max_sessions", is_int_at_least(self.max_sessions, 1), "an int >= 1"),
+            ("max_kv_tokens", is_int_at_least(self.max_kv_tokens, 0), "an int >= 0"),
+        ]
+        for name, valid, expected in checks:
+            if not valid:
+                message = f"EngineSpec.{name} must be {expected}, got {getattr(self, name)!r}"
+                raise ValueError(message)
+
+
+def _is_dtype(name: str) -> bool:
+    try:
+        np.dtype(name)
+    except TypeError:
+        return False
+    return True
+
 
 @dataclass(frozen=True)
-class ServedRange:
+class _ServedRange:
     """The loaded layer range, its role, and the architecture tag its bundles carry."""
 
     layers: range
@@ -106,10 +156,11 @@ class ServedRange:
 
 @dataclass(frozen=True)
 class StepInput:
-    """A step's validated input: token ids (head, full) or the bundle's residual (middle, tail).
-
-    A residual has the engine's dtype, shape ``(rows, hidden_size)``, the right data
-    length and finite values; ``rows()`` decodes it."""
+    """An admitted step's input, already validated (rule 2): ``token_ids`` for a head or
+    full shard, ``residual`` (the upstream bundle's tensor) for a middle or tail shard; the
+    other one is None. A residual has the engine's dtype, shape ``(rows, hidden_size)``,
+    the right data length and finite values; ``rows()`` decodes it. ``len(step)`` is the
+    number of tokens (rows) the step adds to the session's cache."""
 
     token_ids: tuple[int, ...] | None
     residual: EngineTensor | None
@@ -121,11 +172,14 @@ class StepInput:
         return self.residual.shape[0]
 
     def rows(self) -> npt.NDArray[Any]:
-        assert self.residual is not None, "a head or full shard's input is token ids"
+        """The residual as an ``(rows, hidden_size)`` array (a middle or tail shard's input)."""
+        if self.residual is None:
+            message = "StepInput.rows(): this step carries token ids (a head or full shard's input); read token_ids"
+            raise ValueError(message)
         return self.residual.to_array()
 
 
-def token_from_logits(logits: npt.NDArray[Any]) -> TokenOutput:
+def _token_from_logits(logits: npt.NDArray[Any]) -> TokenOutput:
     """Greedy decoding: the argmax, with top-1 minus top-2 as the margin (None for one logit)."""
     top_two = np.sort(logits)[-2:]
     margin = float(top_two[-1] - top_two[0]) if logits.size > 1 else None
@@ -148,22 +202,8 @@ class _Session(Generic[CacheT]):
     wrong_token: int | None = None
 
 
-def refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
-    return StepResult(StructuredStatus(code, message, retryable), CacheResult.MISS)
-
-
 def _unloaded(operation: str) -> StructuredStatus:
     return StructuredStatus(StatusCode.UNAVAILABLE, f"{operation} before load; call load() first")
-
-
-def identity_problem(session_id: str, **counters: int) -> str | None:
-    """Rule 2's checks on the ids every step and cancel carry."""
-    if not session_id:
-        return "session_id is empty; pass a non-empty session id"
-    for name, value in counters.items():
-        if not 0 <= value < EPOCH_STEP_LIMIT:
-            return f"{name}={value} is outside [0, 2**63); pass a value in that range"
-    return None
 
 
 def _invalid_fault(fault: Fault, fix: str) -> StructuredStatus:
@@ -171,35 +211,72 @@ def _invalid_fault(fault: Fault, fix: str) -> StructuredStatus:
 
 
 class SessionEngine(ShardEngine, Generic[CacheT]):
-    """A ``ShardEngine`` whose lifecycle is SPEC §2 exactly, with every §4 fault native;
-    subclasses add the numerics (see the module docstring)."""
+    """A ``ShardEngine`` whose lifecycle is contract §2 exactly, with every §4 fault native;
+    a subclass adds the numerics through ``load_layers``, ``fresh_cache``, ``forward`` and
+    optionally ``release_cache`` (see the module docstring for a complete example).
 
-    #: The engine's name in messages ("X already serves layers …", "X.prefill() raised …").
+    ``CacheT`` is the type of one session epoch's cache: whatever ``forward`` needs to
+    continue a history (the fake keeps a digest per layer, the numpy engine K/V arrays).
+    The base never looks inside it."""
+
+    #: The engine's name in messages ("X already serves layers …", "X.prefill() raised …");
+    #: defaults to the class name.
     ENGINE_NAME: ClassVar[str]
+    #: "fixture" for a synthetic engine (the fake), "real" for real model arithmetic.
     EVIDENCE_CLASS: ClassVar[Literal["fixture", "real"]]
     #: Absolute tolerance on residual values and logit margins (0.0 = bit-exact).
     TOLERANCE: ClassVar[float]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not hasattr(cls, "ENGINE_NAME"):
+            cls.ENGINE_NAME = cls.__name__
 
     def __init__(
         self,
         spec: EngineSpec,
         *,
-        crash_exception_factory: Callable[[], BaseException],
+        crash_exception_factory: Callable[[], BaseException] | None = None,
         step_delay_seconds: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
         malformed_output: bool = False,
         crash_after_calls: int | None = None,
     ) -> None:
-        """``step_delay_seconds`` is slept before every prefill/decode; ``malformed_output``
-        breaks every OK output structurally; after ``crash_after_calls`` prefill/decode calls
-        have succeeded the next one raises ``crash_exception_factory()`` and the engine stays
-        dead (cancel, release, health, metrics and capabilities do not count)."""
+        """``spec`` gives the sizes and budgets. The knobs are for testing the kit itself and
+        are all off by default: ``step_delay_seconds`` is slept before every prefill/decode;
+        ``malformed_output`` breaks every OK output structurally; after ``crash_after_calls``
+        prefill/decode calls have succeeded the next one raises ``crash_exception_factory()``
+        (default: a ``RuntimeError`` saying the process died) and the engine stays dead
+        (cancel, release, health, metrics and capabilities do not count). The injected
+        ``crash`` fault raises the same exception."""
+        name = type(self).__name__
+        if not isinstance(spec, EngineSpec):
+            message = f"{name}: SessionEngine.__init__ takes an EngineSpec, got {type(spec).__name__}: {spec!r}"
+            raise TypeError(message)
+        evidence = getattr(self, "EVIDENCE_CLASS", None)
+        if evidence not in EVIDENCE_CLASSES:
+            message = (
+                f"{name}.EVIDENCE_CLASS must be 'fixture' (synthetic numerics) or 'real' (a real model's), "
+                f"got {evidence!r}; set it as a class variable"
+            )
+            raise TypeError(message)
+        tolerance = getattr(self, "TOLERANCE", None)
+        if (
+            not isinstance(tolerance, (int, float))
+            or isinstance(tolerance, bool)
+            or not (math.isfinite(tolerance) and tolerance >= 0)
+        ):
+            message = (
+                f"{name}.TOLERANCE must be a finite float >= 0 (0.0: outputs are bit-exact), got {tolerance!r}; "
+                "set it as a class variable"
+            )
+            raise TypeError(message)
         self._spec = spec
-        self._crash_exception_factory = crash_exception_factory
+        self._crash_exception_factory = crash_exception_factory or self._default_crash
         self._step_delay_seconds = step_delay_seconds
         self._sleep = sleep
         self._break_outputs = malformed_output
-        self._served: ServedRange | None = None
+        self._served: _ServedRange | None = None
         self._sessions: dict[str, _Session[CacheT]] = {}
         self._max_kv_tokens = spec.max_kv_tokens
         self._prefill_calls = 0
@@ -214,24 +291,45 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         self._pending_delay = 0.0
         self._corrupt_next_output = False
 
+    def _default_crash(self) -> BaseException:
+        return RuntimeError(f"{self.ENGINE_NAME} process died (simulated crash)")
+
+    @property
+    def spec(self) -> EngineSpec:
+        """The sizes and budgets this engine was built with (``max_kv_tokens`` as built:
+        a memory_pressure fault lowers the limit ``capabilities()`` reports, not this)."""
+        return self._spec
+
     # --- what a subclass supplies --------------------------------------------------------
 
     @abc.abstractmethod
-    def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
-        """Get ready to serve ``layers``; raise ``EngineError`` for a range this engine cannot serve."""
+    def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
+        """Get ready to serve ``layers`` (a range of ``spec.total_layers``) in ``role``; raise
+        ``EngineError`` (INVALID_ARGUMENT, saying what it serves) for a range this engine
+        cannot serve. Called once, by the first ``load``; the base has checked
+        ``total_layers`` and refuses a second load itself."""
 
     @abc.abstractmethod
-    def _fresh_cache(self) -> CacheT:
+    def fresh_cache(self) -> CacheT:
         """The cache of a session epoch that has seen nothing yet."""
 
     @abc.abstractmethod
-    def _forward(self, cache: CacheT, step: StepInput) -> tuple[CacheT, Produced]:
-        """Run ``step`` on top of ``cache``; return the new cache and what the step produced.
-        Must leave ``cache`` itself unchanged."""
+    def forward(self, cache: CacheT, step: StepInput) -> tuple[CacheT, Produced]:
+        """Run ``step`` on top of ``cache``; return the new cache and what the step produced
+        (see ``Produced``: residual rows for a head or middle shard, logits or a
+        ``TokenOutput`` for a tail or full shard).
 
-    def _release_cache(self, cache: CacheT) -> None:
+        The base calls it only for a step it has admitted (rules 1-7 passed), and stores
+        the new cache as the session's once it returns. It must leave ``cache`` as it was,
+        so an exact retry or the twin oracle's replay sees the same history: build new
+        arrays rather than writing into old ones. An engine whose cache is a handle to
+        memory it manages itself (llama.cpp's KV sequences) writes the new positions there
+        and returns the handle advanced."""
+
+    def release_cache(self, cache: CacheT) -> None:
         """A session epoch's cache is dropped (cancel, release, an admitted restart). Engines
-        whose cache lives outside Python objects (llama.cpp's KV sequences) free it here."""
+        whose cache lives outside Python objects (llama.cpp's KV sequences) free it here;
+        the default does nothing."""
 
     # --- process death -------------------------------------------------------------------
 
@@ -271,8 +369,8 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             message = f"LoadRequest.recipe['architecture'] must be a str, got {architecture!r}"
             raise EngineError(StructuredStatus(StatusCode.INVALID_ARGUMENT, message))
         span = range(request.shard_start, request.shard_end + 1)
-        self._load_layers(request, span, request.role)
-        self._served = ServedRange(span, request.role, architecture)
+        self.load_layers(request, span, request.role)
+        self._served = _ServedRange(span, request.role, architecture)
         return LoadResult(_OK, architecture)
 
     def capabilities(self) -> EngineCapabilities:
@@ -307,7 +405,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         return self._step(request, "decode")
 
     def _step(self, request: StepRequest, operation: str) -> StepResult:
-        """SPEC §2 rules 1-8, in order; the first rule that applies decides."""
+        """contract §2 rules 1-8, in order; the first rule that applies decides."""
         delay, self._pending_delay = self._step_delay_seconds + self._pending_delay, 0.0
         if delay > 0:
             self._sleep(delay)
@@ -339,7 +437,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         return self._advance(request, served, session, where)
 
     def _advance(
-        self, request: StepRequest, served: ServedRange, session: _Session[CacheT] | None, where: str
+        self, request: StepRequest, served: _ServedRange, session: _Session[CacheT] | None, where: str
     ) -> StepResult:
         """Rules 7-8 for a request that opens, restarts or continues a session epoch;
         ``session`` holds the id's slot, if any."""
@@ -361,8 +459,8 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         cache = session.cache if session is not None and continues else None
         if session is not None and not continues and session.cache is not None:
             # An admitted restart: the old epoch's cache goes before the new one starts.
-            self._release_cache(session.cache)
-        new_cache, produced = self._forward(self._fresh_cache() if cache is None else cache, step_input)
+            self.release_cache(session.cache)
+        new_cache, produced = self.forward(self.fresh_cache() if cache is None else cache, step_input)
         output = self._output(request, served, produced, count)
         wrong_token = _least_likely_token(produced, output)
         if self._break_outputs:
@@ -379,7 +477,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             self._sessions[request.session_id] = opened
         return result
 
-    def _input_problem(self, request: StepRequest, operation: str, served: ServedRange) -> str | None:
+    def _input_problem(self, request: StepRequest, operation: str, served: _ServedRange) -> str | None:
         """Why rule 2 refuses ``request``, or None if its input is well formed."""
         problem = identity_problem(request.session_id, epoch=request.epoch, step=request.step)
         if problem is not None:
@@ -406,7 +504,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return f"token ids {outside} are outside the vocabulary [0, {vocab})"
         return None
 
-    def _bundle_problem(self, request: StepRequest, bundle: BoundaryBundle, served: ServedRange) -> str | None:
+    def _bundle_problem(self, request: StepRequest, bundle: BoundaryBundle, served: _ServedRange) -> str | None:
         for name in ("session_id", "epoch", "step"):
             if getattr(bundle, name) != getattr(request, name):
                 mine, theirs = getattr(bundle, name), getattr(request, name)
@@ -436,13 +534,13 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         return None
 
     def _output(
-        self, request: StepRequest, served: ServedRange, produced: Produced, rows: int
+        self, request: StepRequest, served: _ServedRange, produced: Produced, rows: int
     ) -> BoundaryBundle | TokenOutput:
         if served.role in ("tail", "full"):
             if isinstance(produced, TokenOutput):
                 return produced
             assert not isinstance(produced, bytes), "a tail or full shard produces logits or a token"
-            return token_from_logits(produced)
+            return _token_from_logits(produced)
         assert not isinstance(produced, TokenOutput), "a head or middle shard produces residual rows"
         shape = (rows, self._spec.hidden_size)
         if isinstance(produced, bytes):
@@ -518,7 +616,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return StructuredStatus(StatusCode.NOT_FOUND, f"{where}: the session is at epoch {session.epoch}")
         # The KV memory goes at once; the slot stays until release or a restart.
         if session.cache is not None:
-            self._release_cache(session.cache)
+            self.release_cache(session.cache)
         session.cancelled, session.kv_tokens, session.cache = True, 0, None
         return _OK
 
@@ -528,7 +626,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return _unloaded("release")
         session = self._sessions.pop(session_id, None)
         if session is not None and session.cache is not None:
-            self._release_cache(session.cache)
+            self.release_cache(session.cache)
         return _OK
 
     def health(self) -> HealthResult:
@@ -537,7 +635,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     def metrics(self) -> MetricsResult:
         self._check_alive("metrics")
-        # A cancelled session keeps its slot (SPEC §2), so it still counts as active.
+        # A cancelled session keeps its slot (contract §2), so it still counts as active.
         return MetricsResult(self._prefill_calls, self._decode_calls, len(self._sessions), self._kv_tokens_used())
 
     def _kv_tokens_used(self) -> int:
@@ -546,7 +644,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
     # --- faults ------------------------------------------------------------------------------
 
     def inject_fault(self, fault: Fault) -> StructuredStatus:
-        """Arm ``fault`` natively (SPEC §4); INVALID_ARGUMENT for a value it cannot mean."""
+        """Arm ``fault`` natively (contract §4); INVALID_ARGUMENT for a value it cannot mean."""
         self._check_alive("inject_fault")
         value = fault.value
         if fault.kind == "delay":
@@ -575,8 +673,3 @@ def _least_likely_token(produced: Produced, output: BoundaryBundle | TokenOutput
         return None
     least = int(np.argmin(produced))
     return None if least == output.token_id else least
-
-
-def is_int_at_least(value: object, minimum: int) -> bool:
-    """For constructors' checks: an int (bool excluded, it is always a caller's mistake) >= ``minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
