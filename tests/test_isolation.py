@@ -226,8 +226,10 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
 def test_a_worker_that_cannot_start_is_a_clear_error_and_is_not_left_behind() -> None:
     before = worker_children()
     expected = r"worker process for shardkit:FakeShardEngine exited with code 2 before serving: .* give it at least \d+"
+    machine = machine_for("shardkit:FakeShardEngine", isolate=True, worker_memory_mb=1)  # starts nothing yet
+    assert worker_children() - before == set()
     with pytest.raises(InvalidTarget, match=expected):
-        machine_for("shardkit:FakeShardEngine", isolate=True, worker_memory_mb=1)
+        machine.prepare()
     assert worker_children() - before == set()
 
 
