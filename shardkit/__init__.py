@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from shardkit._run.replay import PreparedReplay as PreparedReplay
     from shardkit._run.replay import prepare_replay as prepare_replay
     from shardkit._run.replay import replay as replay
-    from shardkit._run.runner import FuzzResult as FuzzResult
+    from shardkit._run.result import FuzzResult as FuzzResult
     from shardkit._run.runner import fuzz as fuzz
     from shardkit._run.suite import machine_for as machine_for
     from shardkit.contract import BoundaryBundle as BoundaryBundle
@@ -146,7 +146,7 @@ _HOMES = _MappingProxyType(
         "FakeShardEngineConfig": ".engines",
         "Fault": ".contract",
         "FaultInjectable": ".contract",
-        "FuzzResult": "._run.runner",
+        "FuzzResult": "._run.result",
         "prepare_replay": "._run.replay",
         "PreparedReplay": "._run.replay",
         "FuzzOptions": "._run.options",

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from tests.planted import PLANTED, PlantedEngine
 
 pytest_plugins = ["pytester"]

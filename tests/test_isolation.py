@@ -23,7 +23,8 @@ from shardkit._core.driver import Driver
 from shardkit._core.steps import Action, step_action
 from shardkit._core.targets import IsolationOptions
 from shardkit._run.replay import load_trace, replay
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from shardkit._transport.isolation import isolated_target, target_with_options
 from shardkit.errors import InvalidTarget, RemoteProtocolError, ShardkitError
 from tests.planted.dying import DYING, DyingEngine

@@ -8,7 +8,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
 from shardkit._machine.state_machine import RunObserver, observed
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from tests.planted import PLANTED, PlantedEngine, names_its_property
 
 #: Every outcome SPEC §2 allows for each operation (UNAVAILABLE comes from calls

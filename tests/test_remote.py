@@ -47,7 +47,8 @@ from shardkit import (
 )
 from shardkit._cli.main import main
 from shardkit._core.targets import EngineLost
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from shardkit._transport import codec
 from shardkit._transport.resolve import resolve_target
 from shardkit._transport.server import ShardEngineServicer

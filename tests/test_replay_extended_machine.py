@@ -22,7 +22,8 @@ import pytest
 from shardkit import TraceFormatError, machine_for, replay
 from shardkit._cli.main import main
 from shardkit._run.report import render_failure
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from shardkit._run.trace import trace_document
 from stateful.test_extending_rules import RollbackKeepsTokens, RollbackMachine, RollbackModel
 

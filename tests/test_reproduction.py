@@ -16,7 +16,8 @@ import pytest
 from shardkit import FakeShardEngine, TraceFormatError, machine_for, replay
 from shardkit._cli.main import main
 from shardkit._machine.minimize import replay_actions
-from shardkit._run.runner import FuzzResult, fuzz
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from shardkit.errors import UntrustedTarget
 from tests.planted import PLANTED, PlantedEngine
 
@@ -258,7 +259,7 @@ def test_ctrl_c_during_shrinking_still_leaves_a_trace(tmp_path: Path) -> None:
 def test_ctrl_c_before_any_failure_exits_130_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardkit import runner
+    from shardkit._run import runner
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
@@ -275,7 +276,7 @@ def test_the_shortest_failure_is_on_disk_before_minimisation_and_ctrl_c_there_ke
     """A killed run leaves the in-progress trace; Ctrl-C while minimising still writes the final one."""
     from hypothesis import settings
 
-    from shardkit import runner
+    from shardkit._run import runner
     from tests.planted import FailedCallsNotCounted
 
     seen: list[list[str]] = []

@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis.database import InMemoryExampleDatabase
 
 from shardkit import FakeShardEngine, machine_for
-from shardkit._run import runner
+from shardkit._run import artefacts
 from shardkit._run.options import Budgets
 from shardkit._run.runner import chunk_seeds, fuzz, run_machine
 
@@ -83,7 +83,7 @@ def test_ctrl_c_while_shrinking_keeps_the_shortest_failure(tmp_path: Path, monke
 
     machine = machine_for(CancelLeaksKvTokens, role="full")
     seen: list[Any] = []
-    real_offer = runner._Artefacts.offer
+    real_offer = artefacts.Artefacts.offer
 
     def offer_then_interrupt(self: Any, failure: Any) -> None:
         seen.append(failure)
@@ -91,7 +91,7 @@ def test_ctrl_c_while_shrinking_keeps_the_shortest_failure(tmp_path: Path, monke
         if len(failure.records) > min(len(earlier.records) for earlier in seen):
             raise KeyboardInterrupt  # while Hypothesis tries a longer candidate than its best
 
-    monkeypatch.setattr(runner._Artefacts, "offer", offer_then_interrupt)
+    monkeypatch.setattr(artefacts.Artefacts, "offer", offer_then_interrupt)
     result = run_machine(machine, settings(max_examples=200, database=None), seed=3, out=tmp_path)
     lengths = [len(failure.records) for failure in seen]
     assert lengths[-1] > min(lengths), "the interrupt must stop a longer attempt for this to test anything"

@@ -23,7 +23,8 @@ import pytest
 
 from shardkit import TraceFormatError
 from shardkit._cli.main import main
-from shardkit._run.replay import MAX_TRACE_BYTES, read_trace, replay
+from shardkit._run.replay import replay
+from shardkit._run.trace_reader import MAX_TRACE_BYTES, read_trace
 from shardkit.errors import InvalidTarget, UntrustedTarget
 
 #: A valid trace of one step that fails on the fake's bug-free behaviour: nothing here needs a bug.

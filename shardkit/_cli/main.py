@@ -329,8 +329,8 @@ def _in_progress_traces(out: Path) -> dict[Path, int]:
 
 def _fuzz(args: argparse.Namespace) -> int:
     from shardkit._run.options import FuzzOptions
-    from shardkit._run.report import print_summary
-    from shardkit._run.runner import fuzz, report_document
+    from shardkit._run.report import print_summary, report_document
+    from shardkit._run.runner import fuzz
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
@@ -445,8 +445,9 @@ class _Progress:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from shardkit._run.replay import read_trace, replay
+    from shardkit._run.replay import replay
     from shardkit._run.report import failure_lines
+    from shardkit._run.trace_reader import read_trace
     from shardkit._transport.isolation import target_with_options
 
     _check_isolation_options("replay", args, args.engine)

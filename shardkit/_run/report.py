@@ -1,4 +1,5 @@
-"""Human-readable output of a fuzzing run: the summary, the coverage table, the failure."""
+"""Output of a fuzzing run: the human-readable summary, coverage table and failure, and the
+``--report`` JSON document."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from shardkit._core.driver import StepRecord
 from shardkit._core.properties import read_more
-from shardkit._run.runner import FuzzResult
+from shardkit._run.result import FuzzResult
+from shardkit._version import __version__
 
-__all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure"]
+__all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure", "report_document"]
 
 
 def coverage_table(result: FuzzResult) -> str:
@@ -113,3 +115,44 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
         return
     print(file=out)
     print(render_failure(result), file=out)
+
+
+def report_document(result: FuzzResult) -> dict[str, Any]:
+    """The ``--report`` JSON (contract §6); its keys are a stable schema."""
+    coverage: dict[str, dict[str, int]] = {}
+    for (op, outcome), count in sorted(result.coverage.items()):
+        coverage.setdefault(op, {})[outcome] = count
+    failures = []
+    if result.failure is not None:
+        records = result.failure.records
+        failures.append(
+            {
+                "message": result.failure.violation.message,
+                "property": result.failure.violation.property,
+                "steps": [
+                    {
+                        "op": r.action.op,
+                        "args": r.action.to_json()["args"],
+                        "expected": r.expected,
+                        "observed": r.observed,
+                    }
+                    for r in records
+                ],
+                "trace": str(result.trace_path) if result.trace_path is not None else None,
+                "faults": [
+                    {"kind": r.action.args["kind"], "value": r.action.args["value"], "step": r.index}
+                    for r in records
+                    if r.action.op == "fault"
+                ],
+            }
+        )
+    return {
+        "shardkit_version": __version__,
+        "target": result.target,
+        "seed": result.seed,
+        "examples": result.examples,
+        "steps": result.steps,
+        "elapsed_s": round(result.elapsed_s, 3),
+        "coverage": coverage,
+        "failures": failures,
+    }
