@@ -24,10 +24,11 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from shardkit._core.conformance import assert_shard_engine_contract
-from shardkit._machine.state_machine import ROLES, FailureReport, ShardMachine, build_machine
+from shardkit._machine.build import build_machine
+from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
-from shardkit.contract import DecodeRequest, LoadRequest, PrefillRequest
+from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
 from shardkit.engines import FakeShardEngine
 from shardkit.errors import ContractViolation, InvalidTarget
 

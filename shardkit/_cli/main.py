@@ -133,7 +133,7 @@ def _check_isolation_options(command: str, args: argparse.Namespace, target: str
 
 
 def _faults(text: str) -> str:
-    from shardkit._machine.state_machine import parse_faults
+    from shardkit._machine.build import parse_faults
 
     try:
         parse_faults(text)

@@ -10,7 +10,8 @@ from typing import Any
 
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
-from shardkit._machine.state_machine import ShardMachine, parse_faults
+from shardkit._machine.build import parse_faults
+from shardkit._machine.state_machine import ShardMachine
 from shardkit.contract import FAULT_KINDS, ROLES, Role
 from shardkit.errors import UsageError
 

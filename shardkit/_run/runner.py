@@ -25,9 +25,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit._core.driver import StepFailed
 from shardkit._core.targets import EngineFactory, ResolvedTarget
+from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
-from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, build_machine, observed
+from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, observed
 from shardkit._run.artefacts import Artefacts, run_settings_for
 from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
 from shardkit._run.result import FuzzResult

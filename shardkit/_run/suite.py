@@ -16,8 +16,9 @@ from hypothesis import settings
 
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
+from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import suite_settings
-from shardkit._machine.state_machine import ShardMachine, build_machine
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.artefacts import machine_identity
 from shardkit._run.report import render_failure
 from shardkit._run.runner import run_machine
