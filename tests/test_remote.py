@@ -46,13 +46,13 @@ from shardkit import (
     assert_shard_engine_contract,
 )
 from shardkit._cli.main import main
-from shardkit._core.targets import EngineLost
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from shardkit._transport import codec
 from shardkit._transport.resolve import resolve_target
 from shardkit._transport.server import ShardEngineServicer
 from shardkit.contract import FAULT_KINDS
+from shardkit.errors import EngineLost
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 from shardkit.remote import (

@@ -7,6 +7,7 @@ error, reported in one line without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import json
@@ -18,15 +19,15 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from shardkit._core.targets import (
     DEFAULT_TARGET,
-    EngineLost,
     IsolationOptions,
     ResolvedTarget,
+    check_step_timeout,
     describe_exception,
     is_loopback,
     is_remote_address,
@@ -38,7 +39,7 @@ from shardkit._transport.resolve import resolve_target
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
 from shardkit._version import __version__
 from shardkit.contract import FAULT_KINDS, ROLES, EngineError
-from shardkit.errors import ContractViolation, KitBug, ShardkitError, UsageError
+from shardkit.errors import ContractViolation, EngineLost, KitBug, ShardkitError, UsageError
 
 __all__ = ["main"]
 
@@ -51,6 +52,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def _bad_value(message: str) -> argparse.ArgumentError:
+    """What an option's ``type`` raises for a value it refuses, ``message`` naming the option:
+    argparse prints it as it is. (An ``ArgumentTypeError`` would come out as "argument
+    --examples: --examples must be …", the option named twice.)"""
+    return argparse.ArgumentError(None, message)
+
+
 def _positive_int(name: str) -> type[int]:
     def parse(text: str) -> int:
         try:
@@ -58,8 +66,7 @@ def _positive_int(name: str) -> type[int]:
         except ValueError:
             value = 0
         if value < 1:
-            message = f"{name} must be a positive integer, got {text!r}"
-            raise argparse.ArgumentTypeError(message)
+            raise _bad_value(f"{name} must be a positive integer, got {text!r}")
         return value
 
     parse.__name__ = name
@@ -72,18 +79,25 @@ def _seed(text: str) -> int:
     try:
         return parse_seed(text, "--seed")
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise _bad_value(str(error)) from None
 
 
 def _seconds(text: str) -> float:
+    """A number; which numbers of seconds a run takes is ``check_step_timeout``'s to say."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = -1.0
-    if not 0 < value <= 3600:
-        message = f"--step-timeout must be a number of seconds in (0, 3600], got {text!r}"
-        raise argparse.ArgumentTypeError(message)
-    return value
+        raise _bad_value(f"--step-timeout must be a number of seconds, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def _command(command: str) -> Iterator[None]:
+    """A ``UsageError`` from the library's checks of the options (which names the option) also
+    names the command, as the command's own usage errors do."""
+    try:
+        yield
+    except UsageError as error:
+        raise UsageError(f"shardkit {command}: {error}") from None
 
 
 def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = False) -> None:
@@ -132,16 +146,6 @@ def _check_isolation_options(command: str, args: argparse.Namespace, target: str
         raise UsageError(message)
 
 
-def _faults(text: str) -> str:
-    from shardkit._machine.build import parse_faults
-
-    try:
-        parse_faults(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def _parser() -> _Parser:
     from shardkit._run.options import FuzzOptions
 
@@ -160,8 +164,7 @@ def _parser() -> _Parser:
     )
     fuzz.add_argument(
         "--faults",
-        type=_faults,
-        default="all",
+        default=defaults.faults,
         help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}",
     )
     fuzz.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
@@ -260,22 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except UsageError as error:
-        print(error, file=sys.stderr)
-        return EXIT_USAGE
-    except KitBug as error:
-        print(_kit_bug_line(str(error)), file=sys.stderr)
-        return EXIT_USAGE
     except EngineLost as lost:
+        # Not an Exception, so that it ends a run wherever it happens: the server went away.
         print(f"shardkit: error: {_one_line(str(lost))}{_left_behind(args, lost)}", file=sys.stderr)
         return EXIT_USAGE
-    except (ShardkitError, OSError) as error:
-        print(f"shardkit: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except EngineError as error:
-        # An engine refusing with an exception where the kit expected a status (load, capabilities).
-        message = f"shardkit: error: the engine refused with EngineError {error.status.code.name}: {error.status.message}"
-        print(message, file=sys.stderr)
+    except (ShardkitError, EngineError, OSError) as error:
+        print(_error_line(error), file=sys.stderr)
         return EXIT_USAGE
     except Exception as error:
         # Nothing should get here: the library turns what an engine raises into a finding or an
@@ -292,6 +285,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(message, file=sys.stderr)
         return EXIT_USAGE
+
+
+def _error_line(error: ShardkitError | EngineError | OSError) -> str:
+    """The line an input error (or a bug of the kit) that ended a command prints."""
+    if isinstance(error, UsageError):
+        return str(error)  # it names the command and the option already
+    if isinstance(error, KitBug):
+        return _kit_bug_line(str(error))
+    if isinstance(error, EngineError):
+        # The driver lets an engine's refusal of load or capabilities pass (as the contract
+        # allows, and replay and the choice of roles rely on); one that ends a run lands here.
+        status = error.status
+        return f"shardkit: error: the engine refused with EngineError {status.code.name}: {status.message}"
+    return f"shardkit: error: {error}"
 
 
 def _kit_bug_line(what: str) -> str:
@@ -332,6 +339,18 @@ def _fuzz(args: argparse.Namespace) -> int:
     from shardkit._run.report import print_summary, report_document
     from shardkit._run.runner import fuzz
 
+    with _command("fuzz"):
+        options = FuzzOptions(
+            examples=args.examples,
+            steps=args.steps,
+            role=args.role,
+            faults=args.faults,
+            twins=not args.no_twins,
+            reference=args.reference,
+            isolate=args.isolate,
+            step_timeout=args.step_timeout,
+            worker_memory_mb=args.worker_memory,
+        )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
     _check_out_folder(args.out)
@@ -344,17 +363,6 @@ def _fuzz(args: argparse.Namespace) -> int:
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
-        options = FuzzOptions(
-            examples=args.examples,
-            steps=args.steps,
-            role=args.role,
-            faults=args.faults,
-            twins=not args.no_twins,
-            reference=args.reference,
-            isolate=args.isolate,
-            step_timeout=args.step_timeout,
-            worker_memory_mb=args.worker_memory,
-        )
         result = fuzz(args.target, options, seed=seed, out=args.out, progress=progress)
     finally:
         if progress is not None:
@@ -450,6 +458,8 @@ def _replay(args: argparse.Namespace) -> int:
     from shardkit._run.trace_reader import read_trace
     from shardkit._transport.isolation import target_with_options
 
+    with _command("replay"):
+        check_step_timeout(args.step_timeout)
     _check_isolation_options("replay", args, args.engine)
     engine: str | ResolvedTarget | None = args.engine
     isolate: bool | IsolationOptions | None = args.isolate

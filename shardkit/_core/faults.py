@@ -29,15 +29,11 @@ from shardkit.contract import (
     TokenOutput,
 )
 from shardkit.engines.delegating import DelegatingEngine
-from shardkit.errors import ShardkitError
+from shardkit.errors import InjectedCrash
 
-__all__ = ["BOUNDARY_FAULTS", "FaultInjectingEngine", "InjectedCrash", "corrupt_output"]
+__all__ = ["BOUNDARY_FAULTS", "FaultInjectingEngine", "corrupt_output"]
 
 BOUNDARY_FAULTS = frozenset({"delay", "malformed_output", "crash"})
-
-
-class InjectedCrash(ShardkitError):
-    """A process death simulated at an engine's boundary by an injected ``crash`` fault."""
 
 
 #: How far ``corrupt_output`` moves a residual value, at least (plus 4× the tolerance).

@@ -3,11 +3,11 @@ zero-argument callable that returns a fresh, unloaded ``ShardEngine``.
 
 Also what the driver, the runner and the trace know about a target whose engines live in
 another process, without importing the transport (or gRPC): how an address is told from
-a Python target (``is_remote_address``), how losing a server ends a run (``EngineLost``),
-and what an isolated target's worker process is asked and answers (``Isolation``,
-``IsolationOptions``, ``ProcessDeath``). Turning an address into engines, and isolating a
-target, is the transport's: ``shardkit._transport.resolve.resolve_target`` and
-``shardkit._transport.isolation``.
+a Python target (``is_remote_address``), what a guard lets pass (``passes_through``: Ctrl-C
+and ``shardkit.errors.EngineLost``, a lost server ending the run), and what an isolated
+target's worker process is asked and answers (``Isolation``, ``IsolationOptions``,
+``ProcessDeath``). Turning an address into engines, and isolating a target, is the
+transport's: ``shardkit._transport.resolve.resolve_target`` and ``shardkit._transport.isolation``.
 """
 
 from __future__ import annotations
@@ -25,20 +25,21 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from shardkit.contract import EngineError, ShardEngine
-from shardkit.errors import InvalidTarget
+from shardkit.errors import EngineLost, InvalidTarget, UsageError
 
 __all__ = [
     "DEFAULT_STEP_TIMEOUT",
     "DEFAULT_TARGET",
     "FILE_MODULE_PREFIX",
+    "MAX_STEP_TIMEOUT",
     "REMOTE_PREFIXES",
     "EngineFactory",
-    "EngineLost",
     "Isolation",
     "IsolationOptions",
     "ProcessDeath",
     "ResolvedTarget",
     "check_seconds",
+    "check_step_timeout",
     "describe_exception",
     "import_target",
     "is_loopback",
@@ -55,6 +56,8 @@ REMOTE_PREFIXES = ("grpc://", "unix:")
 FILE_MODULE_PREFIX = "_shardkit_target_"
 #: Seconds each call to an isolated (or remote) engine may take before it counts as a hang.
 DEFAULT_STEP_TIMEOUT = 5.0
+#: The longest deadline a run's options accept (a trace records at most this, too).
+MAX_STEP_TIMEOUT = 3600.0
 T = TypeVar("T")
 
 
@@ -65,23 +68,17 @@ def check_seconds(name: str, value: object) -> None:
         raise ValueError(message)
 
 
+def check_step_timeout(value: float | None) -> None:
+    """Refuse (``UsageError`` naming ``step_timeout`` and ``--step-timeout``) a deadline a run's
+    options cannot take: one outside (0, ``MAX_STEP_TIMEOUT``] seconds. ``None`` is the default."""
+    if value is not None and not 0 < value <= MAX_STEP_TIMEOUT:
+        message = f"step_timeout (--step-timeout) must be a number of seconds in (0, {MAX_STEP_TIMEOUT:g}], got {value!r}"
+        raise UsageError(message)
+
+
 def is_remote_address(target: str) -> bool:
     """Whether the target string ``target`` names an engine server (``grpc://…``, ``unix:…``)."""
     return target.startswith(REMOTE_PREFIXES)
-
-
-class EngineLost(BaseException):
-    """The engine under test became unreachable for a reason that is not the engine's: the
-    ``shardkit serve`` process behind a ``grpc://``/``unix:`` target went away, or evicted it.
-
-    Not an ``Exception``: it passes through Hypothesis (which would shrink it into a flaky
-    failure) and through the driver (which would report it as the engine's failure), and ends
-    the run at once; the command reports it as an input error naming ``address``.
-    """
-
-    def __init__(self, message: str, *, address: str) -> None:
-        super().__init__(message)
-        self.address = address
 
 
 def is_loopback(host: str) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
 from shardkit._machine.build import parse_faults
 from shardkit._machine.state_machine import ShardMachine
 from shardkit.contract import FAULT_KINDS, ROLES, Role
@@ -86,9 +86,7 @@ class FuzzOptions:
             message = f"role (--role) must be one of {', '.join(ROLES)} or 'any', got {role!r}"
             raise UsageError(message)
         object.__setattr__(self, "faults", _canonical_faults(self.faults))
-        if self.step_timeout is not None and not 0 < self.step_timeout <= 3600:
-            message = f"step_timeout (--step-timeout) must be a number of seconds in (0, 3600], got {self.step_timeout!r}"
-            raise UsageError(message)
+        check_step_timeout(self.step_timeout)
         memory = self.worker_memory_mb
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
             message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
@@ -146,8 +144,9 @@ def _canonical_faults(faults: bool | str | Iterable[str]) -> str:
     """"all", "none", or the kinds in the contract's order joined by commas."""
     try:
         kinds = parse_faults(faults)
-    except ValueError as error:
-        raise UsageError(f"faults (--faults): {error}") from None
+    except ValueError:
+        message = f"faults (--faults) must be 'all', 'none' or a comma-separated list of {', '.join(FAULT_KINDS)}, got {faults!r}"
+        raise UsageError(message) from None
     if faults is True or faults == "all":
         return "all"
     if not kinds:

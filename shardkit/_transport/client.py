@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, EngineLost, ResolvedTarget, check_seconds
+from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, ResolvedTarget, check_seconds
 from shardkit._transport import codec
 from shardkit._version import __version__
 from shardkit.contract import (
@@ -53,6 +53,7 @@ from shardkit.contract import (
     StructuredStatus,
 )
 from shardkit.errors import (
+    EngineLost,
     InvalidTarget,
     RemoteDeadlineExceeded,
     RemoteEngineCrashed,
