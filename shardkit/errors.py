@@ -15,8 +15,8 @@ exception would be, and keep their engine's module in the type name a server rep
 Nor are the kit's control-flow exceptions, which never reach a user: each is caught inside
 the kit and reported as a finding or as one of the errors here.
 
-- ``_Fail`` and ``StepFailed`` (``shardkit._core.driver``): a check disagreed inside one
-  step; the driver turns ``_Fail`` into ``StepFailed`` (carrying the ``Violation`` and the
+- ``Fail`` and ``StepFailed`` (``shardkit._core.outcomes``): a check disagreed inside one
+  step; the driver turns ``Fail`` into ``StepFailed`` (carrying the ``Violation`` and the
   ``StepRecord``), which the state machine, the runner, the minimiser and replay catch and
   report as the failure found.
 - ``OracleFailure`` (``shardkit._core.twins``): the twin oracle disagreed; the driver turns

@@ -24,8 +24,10 @@ CONTRACT = PACKAGE_ROOT / "contract.py"
 
 #: Public exception classes defined outside errors.py and contract.py on purpose, and why.
 ELSEWHERE = {
-    "StepFailed": "shardkit/_core/driver.py: control flow; the driver's finding about one step, carrying its "
+    "StepFailed": "shardkit/_core/outcomes.py: control flow; the driver's finding about one step, carrying its "
     "Violation and StepRecord, caught by the machine, the runner, the minimiser and replay, which report it",
+    "Fail": "shardkit/_core/outcomes.py: control flow; one check disagreed inside a step, which the driver "
+    "turns into a StepFailed",
     "OracleFailure": "shardkit/_core/twins.py: control flow; the twin oracle's disagreement, which the driver "
     "turns into a finding (or an InvalidTarget naming a broken reference engine)",
     "ShrinkBudgetSpent": "shardkit/_machine/hypothesis_adapter.py: control flow; a BaseException raised through "
@@ -133,7 +135,7 @@ def test_the_finder_finds_exception_classes_however_they_derive(tmp_path: Path) 
 def test_the_finder_sees_the_kits_exceptions_wherever_they_are() -> None:
     """Not vacuous on the package itself: errors.py's, the contract's, and the ones allowed elsewhere."""
     names = {name for _, name in exception_classes(PACKAGE_ROOT)}
-    assert {"ShardkitError", "UsageError", "EngineLost", "EngineError", "_Fail"} <= names
+    assert {"ShardkitError", "UsageError", "EngineLost", "EngineError", "Fail"} <= names
     assert set(ELSEWHERE) <= names
 
 
