@@ -1,5 +1,5 @@
 """``python -m shardkit`` is the ``shardkit`` command."""
 
-from shardkit._cli.main import main
+from .cli import main
 
 raise SystemExit(main())

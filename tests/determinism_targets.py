@@ -10,7 +10,8 @@ import os
 import time
 
 from shardkit import DecodeRequest, HealthResult, MetricsResult, PrefillRequest, StepResult, StructuredStatus
-from tests.planted import CancelLeaksKvTokens
+
+from .planted import CancelLeaksKvTokens
 
 
 class SlowedCancelLeak(CancelLeaksKvTokens):

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shardkit._core.model import Prediction, ReferenceModel
 from shardkit.contract import (
     BoundaryBundle,
     CacheResult,
@@ -25,6 +24,7 @@ from shardkit.contract import (
     PrefillRequest,
     StatusCode,
 )
+from shardkit.model import Prediction, ReferenceModel
 
 OK = StatusCode.OK
 INVALID = StatusCode.INVALID_ARGUMENT

@@ -24,7 +24,8 @@ from shardkit import (
     StepResult,
     StructuredStatus,
 )
-from shardkit._planted import PlantedEngine
+
+from . import PlantedEngine
 
 #: How far the unbounded allocator goes before giving up: far beyond any test's
 #: --worker-memory, yet survivable by the machine if a limit were not enforced.

@@ -1,1 +1,0 @@
-"""The ``shardkit`` command: a thin adapter over the library, and the bench."""

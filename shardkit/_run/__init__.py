@@ -1,1 +1,0 @@
-"""One run and what it leaves: the runner, traces, regression tests, reports and replay."""
