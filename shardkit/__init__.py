@@ -1,28 +1,24 @@
 """shardkit: property-based state-machine testing for LLM shard engines.
 
-Where things live:
+Import public names from ``shardkit`` itself (``__all__`` lists them); module paths may
+move. The public modules are:
 
-- ``contract``  — the contract v1 vocabulary (SPEC §1) and the ``ShardEngine`` ABC.
-- ``model``     — ``ReferenceModel``, the pure model of the session lifecycle (SPEC §2).
-- ``checks``    — validation of engine outputs (SPEC §3 shape and range).
-- ``conformance`` — ``assert_shard_engine_contract``, the quick static contract.
-- ``steps``     — concrete steps (``Action``) and the requests they stand for.
-- ``driver``    — runs steps against an engine and the model, with every check.
-- ``twins``     — the twin oracle: fresh engines replaying one session's history.
-- ``faults``    — fault injection at an engine's boundary (SPEC §4).
-- ``machine``   — the Hypothesis state machine and ``machine_for``.
-- ``minimize``  — the second-stage minimiser: replay without Hypothesis, 1-minimal results.
-- ``runner``, ``report``, ``trace``, ``regression`` — one run, its summary, its trace and test.
-- ``replay``    — trace files read back (validated as untrusted input) and re-run.
-- ``pytest_plugin`` — ``--shardkit-engine`` / ``--shardkit-seed`` for the stateful suites.
-- ``cli``       — the ``shardkit`` command, a thin adapter over the above.
-- ``engines/``  — the bundled engines: ``FakeShardEngine`` (the deterministic fixture),
-  ``NumpyShardEngine`` (a real llama-style decoder), ``PipelineEngine`` (a coordinator
-  chaining shards), ``llama_cpp.LlamaCppShardEngine`` (llama.cpp, extra ``llama``), and
-  ``gguf_io`` (GGUF weights, extra ``gguf``).
-- ``errors``    — ``ShardkitError`` and its subclasses.
+- ``shardkit.contract`` — the contract v1 vocabulary (contract §1) and the ``ShardEngine`` ABC;
+- ``shardkit.errors`` — ``ShardkitError`` and its subclasses;
+- ``shardkit.engines`` — the bundled engines (``FakeShardEngine``, ``NumpyShardEngine``,
+  ``pipeline.PipelineEngine``, ``llama_cpp.LlamaCppShardEngine`` with the ``llama`` extra),
+  and the two base classes for writing engines: ``base.SessionEngine`` (write the maths,
+  inherit the session lifecycle and the faults) and ``delegating.DelegatingEngine`` (wrap
+  an engine, override only what changes);
+- ``shardkit.remote`` — engines in another process or language, over gRPC (``grpc`` extra);
+- ``shardkit.pytest_plugin`` — ``--shardkit-engine`` / ``--shardkit-seed`` for stateful suites.
 
-Import public names from ``shardkit`` itself; module paths may move. They are
+Extending the kit (docs/extending.md): ``SessionEngine`` and ``DelegatingEngine`` to
+write engines; ``ReferenceModel`` (with ``Prediction`` and ``SessionState``), ``CustomOp``,
+``ShardMachine`` and ``step_rule`` to add a backend's own operation; ``machine_for`` and
+``fuzz`` (returning a ``FuzzResult``) to run the state machine.
+
+Everything under a module whose name starts with ``_`` is private. Public names are
 imported on first use, so that a process needing a few of them (a worker process of
 ``--isolate``, an engine importing the contract) does not pay for all of them.
 """
@@ -30,61 +26,77 @@ imported on first use, so that a process needing a few of them (a worker process
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType as _MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__ as __version__
-
-# Bound now, not on first use: importing the submodule ``shardkit.replay`` (as the CLI
-# does) sets the package attribute ``replay`` to that module, hiding a lazy function.
-from .replay import replay as replay
+from shardkit._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .conformance import assert_shard_engine_contract as assert_shard_engine_contract
-    from .contract import BoundaryBundle as BoundaryBundle
-    from .contract import CacheResult as CacheResult
-    from .contract import DecodeRequest as DecodeRequest
-    from .contract import EngineCapabilities as EngineCapabilities
-    from .contract import EngineError as EngineError
-    from .contract import EngineTensor as EngineTensor
-    from .contract import Fault as Fault
-    from .contract import FaultInjectable as FaultInjectable
-    from .contract import HealthResult as HealthResult
-    from .contract import LoadRequest as LoadRequest
-    from .contract import LoadResult as LoadResult
-    from .contract import MetricsResult as MetricsResult
-    from .contract import PrefillRequest as PrefillRequest
-    from .contract import ShardEngine as ShardEngine
-    from .contract import StatusCode as StatusCode
-    from .contract import StepResult as StepResult
-    from .contract import StructuredStatus as StructuredStatus
-    from .contract import TokenOutput as TokenOutput
-    from .engines import FakeShardEngine as FakeShardEngine
-    from .engines import FakeShardEngineConfig as FakeShardEngineConfig
-    from .engines import NumpyShardEngine as NumpyShardEngine
-    from .engines.pipeline import PipelineEngine as PipelineEngine
-    from .errors import ContractViolation as ContractViolation
-    from .errors import InvalidTarget as InvalidTarget
-    from .errors import ShardkitError as ShardkitError
-    from .errors import TraceFormatError as TraceFormatError
-    from .machine import ShardMachine as ShardMachine
-    from .machine import machine_for as machine_for
-    from .model import Prediction as Prediction
-    from .model import ReferenceModel as ReferenceModel
-    from .steps import Action as Action
+    from shardkit._core.conformance import assert_shard_engine_contract as assert_shard_engine_contract
+    from shardkit._core.driver import CustomOp as CustomOp
+    from shardkit._core.model import Prediction as Prediction
+    from shardkit._core.model import ReferenceModel as ReferenceModel
+    from shardkit._core.model import SessionState as SessionState
+    from shardkit._core.steps import Action as Action
+    from shardkit._machine.state_machine import ShardMachine as ShardMachine
+    from shardkit._machine.state_machine import step_rule as step_rule
+    from shardkit._run.options import FuzzOptions as FuzzOptions
+    from shardkit._run.replay import PreparedReplay as PreparedReplay
+    from shardkit._run.replay import prepare_replay as prepare_replay
+    from shardkit._run.replay import replay as replay
+    from shardkit._run.result import FuzzResult as FuzzResult
+    from shardkit._run.runner import fuzz as fuzz
+    from shardkit._run.suite import machine_for as machine_for
+    from shardkit.contract import BoundaryBundle as BoundaryBundle
+    from shardkit.contract import CacheResult as CacheResult
+    from shardkit.contract import DecodeRequest as DecodeRequest
+    from shardkit.contract import EngineCapabilities as EngineCapabilities
+    from shardkit.contract import EngineError as EngineError
+    from shardkit.contract import EngineTensor as EngineTensor
+    from shardkit.contract import Fault as Fault
+    from shardkit.contract import FaultInjectable as FaultInjectable
+    from shardkit.contract import HealthResult as HealthResult
+    from shardkit.contract import LoadRequest as LoadRequest
+    from shardkit.contract import LoadResult as LoadResult
+    from shardkit.contract import MetricsResult as MetricsResult
+    from shardkit.contract import PrefillRequest as PrefillRequest
+    from shardkit.contract import ShardEngine as ShardEngine
+    from shardkit.contract import StatusCode as StatusCode
+    from shardkit.contract import StepResult as StepResult
+    from shardkit.contract import StructuredStatus as StructuredStatus
+    from shardkit.contract import TokenOutput as TokenOutput
+    from shardkit.engines import FakeShardEngine as FakeShardEngine
+    from shardkit.engines import FakeShardEngineConfig as FakeShardEngineConfig
+    from shardkit.engines import NumpyShardEngine as NumpyShardEngine
+    from shardkit.engines.base import EngineSpec as EngineSpec
+    from shardkit.engines.base import Produced as Produced
+    from shardkit.engines.base import SessionEngine as SessionEngine
+    from shardkit.engines.base import StepInput as StepInput
+    from shardkit.engines.delegating import DelegatingEngine as DelegatingEngine
+    from shardkit.engines.pipeline import PipelineEngine as PipelineEngine
+    from shardkit.errors import ContractViolation as ContractViolation
+    from shardkit.errors import InvalidTarget as InvalidTarget
+    from shardkit.errors import ShardkitError as ShardkitError
+    from shardkit.errors import TraceFormatError as TraceFormatError
 
 __all__ = [
     "Action",
     "BoundaryBundle",
     "CacheResult",
     "ContractViolation",
+    "CustomOp",
     "DecodeRequest",
+    "DelegatingEngine",
     "EngineCapabilities",
     "EngineError",
+    "EngineSpec",
     "EngineTensor",
     "FakeShardEngine",
     "FakeShardEngineConfig",
     "Fault",
     "FaultInjectable",
+    "FuzzOptions",
+    "FuzzResult",
     "HealthResult",
     "InvalidTarget",
     "LoadRequest",
@@ -94,55 +106,79 @@ __all__ = [
     "PipelineEngine",
     "Prediction",
     "PrefillRequest",
+    "PreparedReplay",
+    "Produced",
     "ReferenceModel",
+    "SessionEngine",
+    "SessionState",
     "ShardEngine",
     "ShardMachine",
     "ShardkitError",
     "StatusCode",
+    "StepInput",
     "StepResult",
     "StructuredStatus",
     "TokenOutput",
     "TraceFormatError",
     "assert_shard_engine_contract",
+    "fuzz",
     "machine_for",
+    "prepare_replay",
     "replay",
+    "step_rule",
 ]
 
 #: Where each public name lives.
-_HOMES = {
-    "Action": ".steps",
-    "BoundaryBundle": ".contract",
-    "CacheResult": ".contract",
-    "ContractViolation": ".errors",
-    "DecodeRequest": ".contract",
-    "EngineCapabilities": ".contract",
-    "EngineError": ".contract",
-    "EngineTensor": ".contract",
-    "FakeShardEngine": ".engines",
-    "FakeShardEngineConfig": ".engines",
-    "Fault": ".contract",
-    "FaultInjectable": ".contract",
-    "HealthResult": ".contract",
-    "InvalidTarget": ".errors",
-    "LoadRequest": ".contract",
-    "LoadResult": ".contract",
-    "MetricsResult": ".contract",
-    "NumpyShardEngine": ".engines",
-    "PipelineEngine": ".engines.pipeline",
-    "Prediction": ".model",
-    "PrefillRequest": ".contract",
-    "ReferenceModel": ".model",
-    "ShardEngine": ".contract",
-    "ShardMachine": ".machine",
-    "ShardkitError": ".errors",
-    "StatusCode": ".contract",
-    "StepResult": ".contract",
-    "StructuredStatus": ".contract",
-    "TokenOutput": ".contract",
-    "TraceFormatError": ".errors",
-    "assert_shard_engine_contract": ".conformance",
-    "machine_for": ".machine",
-}
+_HOMES = _MappingProxyType(
+    {
+        "Action": "._core.steps",
+        "BoundaryBundle": ".contract",
+        "CacheResult": ".contract",
+        "ContractViolation": ".errors",
+        "CustomOp": "._core.driver",
+        "DecodeRequest": ".contract",
+        "DelegatingEngine": ".engines.delegating",
+        "EngineCapabilities": ".contract",
+        "EngineError": ".contract",
+        "EngineSpec": ".engines.base",
+        "EngineTensor": ".contract",
+        "FakeShardEngine": ".engines",
+        "FakeShardEngineConfig": ".engines",
+        "Fault": ".contract",
+        "FaultInjectable": ".contract",
+        "FuzzResult": "._run.result",
+        "prepare_replay": "._run.replay",
+        "PreparedReplay": "._run.replay",
+        "FuzzOptions": "._run.options",
+        "HealthResult": ".contract",
+        "InvalidTarget": ".errors",
+        "LoadRequest": ".contract",
+        "LoadResult": ".contract",
+        "MetricsResult": ".contract",
+        "NumpyShardEngine": ".engines",
+        "PipelineEngine": ".engines.pipeline",
+        "Prediction": "._core.model",
+        "PrefillRequest": ".contract",
+        "Produced": ".engines.base",
+        "ReferenceModel": "._core.model",
+        "SessionEngine": ".engines.base",
+        "SessionState": "._core.model",
+        "ShardEngine": ".contract",
+        "ShardMachine": "._machine.state_machine",
+        "ShardkitError": ".errors",
+        "StatusCode": ".contract",
+        "StepInput": ".engines.base",
+        "StepResult": ".contract",
+        "StructuredStatus": ".contract",
+        "TokenOutput": ".contract",
+        "TraceFormatError": ".errors",
+        "assert_shard_engine_contract": "._core.conformance",
+        "fuzz": "._run.runner",
+        "machine_for": "._run.suite",
+        "replay": "._run.replay",
+        "step_rule": "._machine.state_machine",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:

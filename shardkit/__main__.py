@@ -1,5 +1,5 @@
 """``python -m shardkit`` is the ``shardkit`` command."""
 
-from .cli import main
+from shardkit._cli.main import main
 
 raise SystemExit(main())

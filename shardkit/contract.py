@@ -2,7 +2,7 @@
 
 Value types are frozen dataclasses whose ``__post_init__`` checks types and
 structure only. Ranges, lengths and vocabulary membership are deliberately
-*not* checked here: judging them is the engine's job (SPEC §2 rule 2), and the
+*not* checked here: judging them is the engine's job (contract §2 rule 2), and the
 kit must be able to build a malformed request in order to send it.
 """
 
@@ -192,7 +192,7 @@ class LoadRequest:
 
 
 def role_of(shard_start: int, shard_end: int, total_layers: int) -> Role:
-    """SPEC §1: full covers every layer, head starts at 0, tail ends at the last."""
+    """The contract (§1): full covers every layer, head starts at 0, tail ends at the last."""
     covers_first = shard_start == 0
     covers_last = shard_end == total_layers - 1
     if covers_first and covers_last:

@@ -1,44 +1,34 @@
 """The pytest plugin (entry point ``pytest11``): options to point the stateful
 suites at another engine and seed, the seed in the header, and the replay
-command in a failing suite's report. A thin adapter: the work is in ``runner``."""
+command in a failing suite's report. A thin adapter: the work is in ``shardkit._run.suite``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 # Registers the shardkit-* profiles as pytest loads this plugin, before Hypothesis's own
 # plugin loads the profile --hypothesis-profile names.
-from . import _profiles
+from shardkit._machine import profiles as _profiles
 
-__all__ = ["SessionOverrides", "session_overrides"]
+if TYPE_CHECKING:
+    from shardkit._run.suite import SuiteOverrides
+
+__all__ = ()  # pytest's hooks only
 
 ENGINE_OPTION = "--shardkit-engine"
 SEED_OPTION = "--shardkit-seed"
 OUT_OPTION = "--shardkit-out"
 
 
-@dataclass
-class SessionOverrides:
-    """What the command line asked of every shardkit machine in this pytest session."""
-
-    engine: str | None = None
-    seed: int | None = None
-    out: Path | None = None
-
-
-_overrides = SessionOverrides()
-
-
-def session_overrides() -> SessionOverrides:
-    return _overrides
+#: Where this session's overrides are kept on pytest's config.
+OVERRIDES_KEY: pytest.StashKey[SuiteOverrides] = pytest.StashKey()
 
 
 def _seed(text: str) -> int:
-    from .runner import parse_seed
+    from shardkit._run.runner import parse_seed
 
     try:
         return parse_seed(text, SEED_OPTION)
@@ -73,18 +63,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _overrides
+    from shardkit._run.suite import SuiteOverrides
+
     engine = config.getoption("shardkit_engine")
     seed_text = config.getoption("shardkit_seed")
     out = config.getoption("shardkit_out")
     if engine is not None:
-        from .targets import resolve_target
+        from shardkit._transport.resolve import resolve_target
 
         try:
             resolve_target(engine)
         except ValueError as error:
             raise pytest.UsageError(f"{ENGINE_OPTION}: {error}") from None
-    _overrides = SessionOverrides(
+    config.stash[OVERRIDES_KEY] = SuiteOverrides(
         engine=engine, seed=_seed(seed_text) if seed_text is not None else None, out=Path(out) if out else None
     )
 
@@ -93,7 +84,8 @@ def pytest_report_header(config: pytest.Config) -> str:
     """What the shardkit suites will run; it must not promise a profile or a seed the run
     does not use. Suites that set ``TestCase.settings`` keep their own sizes."""
     chosen, source = _profiles.suite_settings(None)
-    seed = _overrides.seed
+    overrides = config.stash[OVERRIDES_KEY]
+    seed = overrides.seed
     if seed is not None:
         seeding = f"seed {seed} (--shardkit-seed)"
     elif chosen.derandomize:
@@ -101,17 +93,23 @@ def pytest_report_header(config: pytest.Config) -> str:
     else:
         seeding = "a fresh seed each run, printed with a failure"
     sizes = f"{chosen.max_examples} examples × {chosen.stateful_step_count} steps"
-    engine = _overrides.engine or "each suite's own"
+    engine = overrides.engine or "each suite's own"
     return f"shardkit: {seeding}; {source} ({sizes}) unless a suite sets its own; engine {engine}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Hand the command line's overrides to a shardkit suite's ``TestCase`` as it runs."""
+    instance = getattr(item, "instance", None)
+    if instance is not None and hasattr(instance, "shardkit_overrides"):
+        instance.shardkit_overrides = item.config.stash[OVERRIDES_KEY]
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
-    if report.failed and call.when == "call":
-        from .runner import rerun_hint
-
-        hint = rerun_hint(getattr(getattr(item, "cls", None), "runTest", None))
-        if hint is not None:
-            report.sections.append(("shardkit: reproduce", hint))
+    if report.failed and call.when == "call" and call.excinfo is not None:
+        reproduce = getattr(call.excinfo.value, "shardkit_reproduce", None)
+        if isinstance(reproduce, str):
+            report.sections.append(("shardkit: reproduce", reproduce))
     return report

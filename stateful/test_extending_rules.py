@@ -3,10 +3,11 @@
 Our imaginary backend supports ``rollback(session_id, epoch, to_step)``: drop
 the steps from ``to_step`` on, so the session continues at ``to_step`` (as a
 speculative-decoding runtime does when a draft is rejected). Three pieces,
-none of which copies the kit:
+none of which copies the kit, all imported from ``shardkit`` itself:
 
 1. the **model** — subclass ``ReferenceModel`` and add ``rollback``, which
-   returns a ``Prediction`` and updates the session state like the other rules;
+   returns a ``Prediction`` and updates the session's ``SessionState`` like the
+   other rules;
 2. the **step** — a ``CustomOp`` that says how to call the engine and the model
    from the step's plain arguments (so traces of it replay);
 3. the **rule** — subclass ``ShardMachine``, register the op in ``custom_ops``,
@@ -15,7 +16,10 @@ none of which copies the kit:
 
 ``machine_for(engine, model=..., base=...)`` then fuzzes the backend with every
 built-in rule, fault and check, plus the new one. The planted bug at the end
-shows the new rule finding and shrinking a real defect.
+shows the new rule finding and shrinking a real defect. The engine itself is the
+fake wrapped in a ``DelegatingEngine``, which forwards contract v1 so the wrapper
+states only what rollback changes. ``stateful/test_fork_example.py`` is a second
+example (``fork``), and docs/extending.md explains each piece.
 """
 
 from __future__ import annotations
@@ -30,23 +34,26 @@ from hypothesis import strategies as st
 from shardkit import (
     Action,
     CacheResult,
+    CustomOp,
     DecodeRequest,
+    DelegatingEngine,
+    EngineCapabilities,
     FakeShardEngine,
+    Fault,
     MetricsResult,
     Prediction,
     PrefillRequest,
     ReferenceModel,
+    SessionState,
     ShardEngine,
     ShardMachine,
     StatusCode,
     StepResult,
     StructuredStatus,
+    fuzz,
     machine_for,
+    step_rule,
 )
-from shardkit.driver import CustomOp
-from shardkit.machine import step_rule
-from shardkit.model import input_chunk, input_length
-from shardkit.runner import fuzz
 
 StepRequest = PrefillRequest | DecodeRequest
 
@@ -60,11 +67,11 @@ class _Accepted:
     cancelled: bool = False
 
 
-class RollbackEngine(ShardEngine):
+class RollbackEngine(DelegatingEngine[FakeShardEngine]):
     """The fake engine plus ``rollback``, implemented by replaying the kept steps."""
 
     def __init__(self) -> None:
-        self.inner = FakeShardEngine()
+        super().__init__(FakeShardEngine())
         self.accepted: dict[str, _Accepted] = {}
         self.hidden_calls = {"prefill": 0, "decode": 0}
 
@@ -102,16 +109,19 @@ class RollbackEngine(ShardEngine):
                 session.requests.append(request)
         return result
 
-    def load(self, request: Any) -> Any:
-        return self.inner.load(request)
+    # rollback replays steps through the inner engine's own prefill/decode, where a native
+    # delay, malformed_output or crash would be spent by a call the kit did not make: the
+    # engine takes memory_pressure only (it needs the engine's own accounting), and the kit
+    # injects the others at its boundary, where only the kit's own calls meet them.
+    def capabilities(self) -> EngineCapabilities:
+        return replace(self.inner.capabilities(), supported_faults=frozenset({"memory_pressure"}))
 
-    def capabilities(self) -> Any:
-        # rollback replays steps through the inner engine's own prefill/decode, which a
-        # native crash countdown would count: let the kit inject crashes at the boundary,
-        # where only the calls the kit makes are counted.
-        return replace(
-            self.inner.capabilities(), supported_faults=self.inner.capabilities().supported_faults - {"crash"}
-        )
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        if fault.kind != "memory_pressure":
+            return StructuredStatus(
+                StatusCode.UNIMPLEMENTED, f"{fault.kind} is not native here; inject it at the boundary"
+            )
+        return self.inner.inject_fault(fault)
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         return self._track(request, self.inner.prefill(request))
@@ -130,31 +140,26 @@ class RollbackEngine(ShardEngine):
         self.accepted.pop(session_id, None)
         return self.inner.release(session_id)
 
-    def health(self) -> Any:
-        return self.inner.health()
-
     def metrics(self) -> MetricsResult:
         metrics = self.inner.metrics()
-        return MetricsResult(
-            metrics.prefill_calls - self.hidden_calls["prefill"],
-            metrics.decode_calls - self.hidden_calls["decode"],
-            metrics.active_sessions,
-            metrics.kv_tokens,
+        return replace(
+            metrics,
+            prefill_calls=metrics.prefill_calls - self.hidden_calls["prefill"],
+            decode_calls=metrics.decode_calls - self.hidden_calls["decode"],
         )
-
-    def inject_fault(self, fault: Any) -> StructuredStatus:
-        return self.inner.inject_fault(fault)
 
 
 # --- 1. the model extension -------------------------------------------------------------------
 
 
 class RollbackModel(ReferenceModel):
-    """``ReferenceModel`` plus the rollback rule; remembers each epoch's accepted steps."""
+    """``ReferenceModel`` plus the rollback rule. It keeps a copy of each session's state
+    after every step it accepted, so a rollback to ``to_step`` restores the state after
+    step ``to_step - 1``: its step counter, cached tokens, history and retry record."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.steps: dict[str, list[tuple[StepRequest, CacheResult]]] = {}
+        self.snapshots: dict[str, list[SessionState]] = {}
 
     def prefill(self, request: PrefillRequest) -> Prediction:
         return self._remember(request, super().prefill(request))
@@ -163,19 +168,19 @@ class RollbackModel(ReferenceModel):
         return self._remember(request, super().decode(request))
 
     def release(self, session_id: str) -> Prediction:
-        self.steps.pop(session_id, None)
+        self.snapshots.pop(session_id, None)
         return super().release(session_id)
 
     def _remember(self, request: StepRequest, prediction: Prediction) -> Prediction:
         if prediction.code is StatusCode.OK and not prediction.is_retry:
             if request.step == 0:
-                self.steps[request.session_id] = []
-            self.steps[request.session_id].append((request, prediction.cache))
+                self.snapshots[request.session_id] = []
+            self.snapshots[request.session_id].append(replace(self.sessions[request.session_id]))
         return prediction
 
     def rollback(self, session_id: str, epoch: int, to_step: int) -> Prediction:
         def say(code: StatusCode, because: str) -> Prediction:
-            return Prediction("rollback", code, "rollback", because)
+            return Prediction(op="rollback", code=code, rule="rollback", because=because)
 
         if self.capabilities is None:
             return say(StatusCode.UNAVAILABLE, "the engine is not loaded")
@@ -188,12 +193,9 @@ class RollbackModel(ReferenceModel):
             return say(StatusCode.CANCELLED, "the session was cancelled")
         if not 1 <= to_step <= session.next_step:
             return say(StatusCode.FAILED_PRECONDITION, f"to_step {to_step} is outside [1, {session.next_step}]")
-        kept = self.steps[session_id][:to_step]
-        self.steps[session_id] = kept
-        session.next_step = to_step
-        session.kv_tokens = sum(input_length(request) for request, _ in kept)
-        session.history = tuple(input_chunk(request) for request, _ in kept)
-        session.last_request, session.last_cache = kept[-1]
+        kept = self.snapshots[session_id][:to_step]
+        self.snapshots[session_id] = kept
+        self.set_session(session_id, replace(kept[-1]))
         return say(StatusCode.OK, f"session {session_id!r} continues at step {to_step}")
 
 
@@ -201,8 +203,8 @@ class RollbackModel(ReferenceModel):
 
 
 def _call_rollback(engine: ShardEngine, args: Mapping[str, Any]) -> StructuredStatus:
-    status: StructuredStatus = engine.rollback(args["session"], args["epoch"], args["to_step"])  # type: ignore[attr-defined]
-    return status
+    assert isinstance(engine, RollbackEngine), f"{type(engine).__name__} has no rollback()"
+    return engine.rollback(args["session"], args["epoch"], args["to_step"])
 
 
 def _predict_rollback(model: ReferenceModel, args: Mapping[str, Any]) -> Prediction:
@@ -245,9 +247,7 @@ class RollbackKeepsTokens(RollbackEngine):
 
     def metrics(self) -> MetricsResult:
         metrics = super().metrics()
-        return MetricsResult(
-            metrics.prefill_calls, metrics.decode_calls, metrics.active_sessions, metrics.kv_tokens + self.stale_tokens
-        )
+        return replace(metrics, kv_tokens=metrics.kv_tokens + self.stale_tokens)
 
 
 def test_the_new_rule_finds_a_rollback_bug_and_shrinks_it_to_three_steps() -> None:

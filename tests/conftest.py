@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.runner import FuzzResult, fuzz
-
-from .planted import PLANTED, PlantedEngine
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
+from tests.planted import PLANTED, PlantedEngine
 
 pytest_plugins = ["pytester"]
 

@@ -10,8 +10,7 @@ import os
 import time
 
 from shardkit import DecodeRequest, HealthResult, MetricsResult, PrefillRequest, StepResult, StructuredStatus
-
-from .planted import CancelLeaksKvTokens
+from tests.planted import CancelLeaksKvTokens
 
 
 class SlowedCancelLeak(CancelLeaksKvTokens):

@@ -1,6 +1,6 @@
 """Two quick planted engines, for testing ``shardkit bench --planted`` without the whole suite."""
 
-from .planted import FailedCallsNotCounted, OutputDependsOnChunking, names_its_property
+from tests.planted import FailedCallsNotCounted, OutputDependsOnChunking, names_its_property
 
 PLANTED = (FailedCallsNotCounted, OutputDependsOnChunking)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shardkit import __version__
-from shardkit.cli import main
+from shardkit._cli.main import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
@@ -459,7 +459,7 @@ def test_a_trace_that_cannot_be_written_after_a_failure_prints_the_failure_and_e
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr("shardkit.runner.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._run.artefacts.write_atomically", disk_full)
     out_dir = tmp_path / "failures"
     code, out, err = run(capsys, "fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", out_dir)
     assert code == 1, (out, err)

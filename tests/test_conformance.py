@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardkit import ContractViolation, FakeShardEngine, ShardkitError, assert_shard_engine_contract
-from shardkit.conformance import CONTRACT_CHECKS
-
-from .planted import PLANTED, PlantedEngine
+from shardkit._core.conformance import CONTRACT_CHECKS
+from tests.planted import PLANTED, PlantedEngine
 
 CAUGHT_BY_CONTRACT = [engine for engine in PLANTED if engine.CONTRACT_CHECK is not None]
 
@@ -40,7 +39,7 @@ def test_a_violation_is_an_assertion_error_and_a_shardkit_error() -> None:
 
 
 def test_the_message_shows_the_call_the_rule_and_both_answers() -> None:
-    from .planted import StaleEpochAccepted
+    from tests.planted import StaleEpochAccepted
 
     with pytest.raises(ContractViolation) as raised:
         assert_shard_engine_contract(StaleEpochAccepted)

@@ -28,20 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine
-from shardkit.contract import (
-    DecodeRequest,
-    EngineCapabilities,
-    HealthResult,
-    LoadRequest,
-    LoadResult,
-    MetricsResult,
-    PrefillRequest,
-    ShardEngine,
-    StepResult,
-    StructuredStatus,
-)
-from shardkit.runner import fuzz
+from shardkit import DelegatingEngine, FakeShardEngine, NumpyShardEngine, PipelineEngine
+from shardkit._run.runner import fuzz
+from shardkit.contract import EngineCapabilities, ShardEngine
 
 NIGHTLY = os.environ.get("SHARDKIT_NIGHTLY") == "1"
 REQUIRE_LLAMA = os.environ.get("SHARDKIT_REQUIRE_LLAMA") == "1"
@@ -58,37 +47,13 @@ except ImportError:
     HAVE_LLAMA = False
 
 
-class BoundaryOnly(ShardEngine):
+class BoundaryOnly(DelegatingEngine[ShardEngine]):
     """Any engine, advertising no native fault: the kit injects faults at its boundary.
 
-    Deliberately not ``FaultInjectable`` and delegating contract v1 only."""
-
-    def __init__(self, inner: ShardEngine) -> None:
-        self.inner = inner
-
-    def load(self, request: LoadRequest) -> LoadResult:
-        return self.inner.load(request)
+    Deliberately not ``FaultInjectable``: ``DelegatingEngine`` forwards contract v1 only."""
 
     def capabilities(self) -> EngineCapabilities:
         return replace(self.inner.capabilities(), supported_faults=frozenset())
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        return self.inner.prefill(request)
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        return self.inner.decode(request)
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        return self.inner.cancel(session_id, epoch)
-
-    def release(self, session_id: str) -> StructuredStatus:
-        return self.inner.release(session_id)
-
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()
 
 
 # Module-level factories, so a failure's rerun line names an importable target.
@@ -192,7 +157,7 @@ def test_no_false_alarm_on_a_bundled_engine(case: Case, tmp_path: Path) -> None:
 
 def test_the_sweep_reports_a_bug_of_an_engine(tmp_path: Path) -> None:
     """The control suite can fail: the same sweep, at the same size, on a planted bug."""
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     case = Case("planted", "boundary", "full", lambda: BoundaryOnly(ReleaseLeaksKvTokens()), FAST)
     failures = sweep(case, SEEDS, tmp_path, stop_at_first=True)

@@ -21,10 +21,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from shardkit._hypothesis_compat import deterministic_hypothesis, local_constants_hook_available
-from shardkit.runner import Budgets, fuzz
-
-from .determinism_targets import SlowedCancelLeak
+from shardkit._machine.hypothesis_adapter import deterministic_hypothesis, local_constants_hook_available
+from shardkit._run.options import Budgets
+from shardkit._run.runner import fuzz
+from tests.determinism_targets import SlowedCancelLeak
 
 SHARDKIT = str(Path(sys.executable).with_name("shardkit"))
 TARGET = "tests.determinism_targets:SlowedCancelLeak"

@@ -17,6 +17,11 @@ from typing import Any
 import pytest
 
 from shardkit import FakeShardEngine, FakeShardEngineConfig
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.steps import Action, step_action
+from shardkit._core.twins import TWIN_SESSION
+from shardkit._run.runner import fuzz
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     DecodeRequest,
     EngineCapabilities,
@@ -29,12 +34,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.driver import Driver, StepFailed
 from shardkit.errors import InvalidTarget
-from shardkit.runner import fuzz
-from shardkit.steps import Action, step_action
-from shardkit.targets import resolve_target
-from shardkit.twins import TWIN_SESSION
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.cli import main
+from shardkit._cli.main import main
 from shardkit.errors import KitBug
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_system_exit_escaping_a_command_is_reported_not_obeyed(
     def exits(*args: object, **kwargs: object) -> None:
         raise SystemExit(0)
 
-    monkeypatch.setattr("shardkit.runner.fuzz", exits)
+    monkeypatch.setattr("shardkit._run.runner.fuzz", exits)
     line = one_error_line(*run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path))
     assert "SystemExit(0)" in line
     assert "never the kit's own exit" in line
@@ -164,7 +164,7 @@ def test_an_isolated_worker_that_exits_in_load_is_named_with_its_exit_code(
 
 @pytest.fixture(scope="module")
 def planted_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardkit.runner import fuzz
+    from shardkit._run.runner import fuzz
 
     result = fuzz("tests.planted:ReleaseLeaksKvTokens", seed=3, out=tmp_path_factory.mktemp("trace"))
     assert result.trace_path is not None
@@ -201,7 +201,7 @@ def test_a_bug_of_the_kit_exits_2_and_says_so(
         message = "the injected malformed output at step 4 passed every check: a check of shardkit failed"
         raise KitBug(message)
 
-    monkeypatch.setattr("shardkit.runner.fuzz", undetected)
+    monkeypatch.setattr("shardkit._run.runner.fuzz", undetected)
     line = one_error_line(*run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path))
     assert line.startswith("shardkit: internal error: the injected malformed output at step 4")
     assert "bug in shardkit" in line
@@ -215,7 +215,7 @@ def test_an_unexpected_exception_is_an_internal_error_not_a_failure(
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr("shardkit.runner.fuzz", broken)
+    monkeypatch.setattr("shardkit._run.runner.fuzz", broken)
     code, _, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path)
     assert code == 2
     last = err.splitlines()[-1]
@@ -341,7 +341,7 @@ def test_a_report_that_cannot_be_written_after_a_failure_still_exits_1(
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr("shardkit.cli.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._cli.main.write_atomically", disk_full)
     report = tmp_path / "report.json"
     argv = ["fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", tmp_path / "out", "--report", report]
     code, out, err = run(capsys, *argv)
@@ -356,7 +356,7 @@ def test_a_report_that_cannot_be_written_without_a_failure_exits_2(
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr("shardkit.cli.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._cli.main.write_atomically", disk_full)
     report = tmp_path / "report.json"
     code, out, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path, "--report", report)
     assert "no failure found" in out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import shardkit
 
 # SPEC §1, plus the names the foundation and state-machine issues add (README "Public API").
@@ -26,6 +29,8 @@ SPEC_VOCABULARY = {
     "FaultInjectable",
 }
 KIT = {
+    "prepare_replay",
+    "PreparedReplay",
     "FakeShardEngine",
     "FakeShardEngineConfig",
     "ReferenceModel",
@@ -42,12 +47,33 @@ KIT = {
     "replay",
     "TraceFormatError",
 }
-DOCUMENTED = SPEC_VOCABULARY | KIT
+#: The extension API, documented in docs/extending.md: writing engines, and extending the rules.
+EXTENSION = {
+    "SessionEngine",
+    "EngineSpec",
+    "StepInput",
+    "Produced",
+    "DelegatingEngine",
+    "SessionState",
+    "CustomOp",
+    "step_rule",
+    "fuzz",
+    "FuzzResult",
+    "FuzzOptions",
+}
+DOCUMENTED = SPEC_VOCABULARY | KIT | EXTENSION
+EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
 def test_all_is_exactly_the_documented_public_names() -> None:
     assert set(shardkit.__all__) == DOCUMENTED
     assert len(shardkit.__all__) == len(set(shardkit.__all__)), "a name is listed twice"
+
+
+def test_the_extension_api_is_documented_in_extending_md() -> None:
+    text = EXTENDING.read_text(encoding="utf-8")
+    missing = sorted(name for name in EXTENSION if not re.search(rf"`@?{name}\b", text))
+    assert not missing, f"{EXTENDING.name} never names {missing}"
 
 
 def test_every_listed_name_exists() -> None:
@@ -73,7 +99,7 @@ def test_every_public_name_is_its_object_even_after_every_submodule_is_imported(
     import types
 
     for module in pkgutil.walk_packages(shardkit.__path__, "shardkit."):
-        if module.name.startswith(("shardkit.proto", "shardkit.remote", "shardkit.engines.llama_cpp")):
+        if module.name.startswith(("shardkit.proto", "shardkit.remote", "shardkit._transport", "shardkit.engines.llama_cpp")):
             continue  # optional extras
         if module.name == "shardkit.__main__":
             continue  # runs the command
@@ -88,6 +114,6 @@ def test_a_worker_process_does_not_import_hypothesis() -> None:
     import subprocess
     import sys
 
-    probe = "import sys, shardkit.cli, shardkit.remote.server; print('hypothesis' in sys.modules)"
+    probe = "import sys, shardkit._cli.main, shardkit._transport.server; print('hypothesis' in sys.modules)"
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "False"

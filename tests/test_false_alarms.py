@@ -17,6 +17,11 @@ import numpy.typing as npt
 import pytest
 
 from shardkit import FakeShardEngine
+from shardkit._core.driver import KIT_BUG_ENDING, CustomOp, Driver, StepFailed
+from shardkit._core.faults import corrupt_output
+from shardkit._core.model import Prediction, ReferenceModel
+from shardkit._core.steps import Action, step_action
+from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
@@ -31,13 +36,8 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.driver import KIT_BUG_ENDING, CustomOp, Driver, StepFailed
-from shardkit.engines._sessions import EngineSpec, Produced, SessionEngine, StepInput
+from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 from shardkit.errors import KitBug, UsageError
-from shardkit.faults import corrupt_output
-from shardkit.model import Prediction, ReferenceModel
-from shardkit.steps import Action, step_action
-from shardkit.targets import resolve_target
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 HEAD = LoadRequest("shardkit-fuzz", 0, 1, 4)
@@ -142,11 +142,11 @@ SCALE = np.float32(2.0**40)
 class HugeResiduals(NoNativeFaults):
     """A correct engine whose residual values are all beyond 2**25, where float32 cannot add 1."""
 
-    def _forward(self, cache: list[bytes], step: StepInput) -> tuple[list[bytes], Produced]:
+    def forward(self, cache: list[bytes], step: StepInput) -> tuple[list[bytes], Produced]:
         if step.residual is not None:
             rows = (step.rows() / SCALE).astype("<f4")
             step = StepInput(None, EngineTensor.from_array(RESIDUAL_TENSOR, rows))
-        chains, produced = super()._forward(cache, step)
+        chains, produced = super().forward(cache, step)
         if isinstance(produced, bytes):
             produced = (np.frombuffer(produced, dtype="<f4") * SCALE).astype("<f4").tobytes()
         return chains, produced
@@ -188,13 +188,13 @@ class _Flips(SessionEngine[tuple[tuple[int, ...], int]]):
         spec = EngineSpec("flips", 1, 4, self.VOCAB, "float32", 4, 64)
         super().__init__(spec, crash_exception_factory=RuntimeError)
 
-    def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
+    def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         pass
 
-    def _fresh_cache(self) -> tuple[tuple[int, ...], int]:
+    def fresh_cache(self) -> tuple[tuple[int, ...], int]:
         return (), 0
 
-    def _forward(
+    def forward(
         self, cache: tuple[tuple[int, ...], int], step: StepInput
     ) -> tuple[tuple[tuple[int, ...], int], Produced]:
         assert step.token_ids is not None
@@ -313,7 +313,7 @@ def test_an_injection_the_kit_cannot_check_is_a_kit_bug() -> None:
 
 
 def test_a_boundary_corruption_that_changes_nothing_is_a_kit_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shardkit.faults.corrupt_output", lambda output, caps: output)
+    monkeypatch.setattr("shardkit._core.faults.corrupt_output", lambda output, caps: output)
     for load in (FULL, HEAD):
         driver = driver_for(NoNativeFaults, load)
         driver.execute(fault("malformed_output"))

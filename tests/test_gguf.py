@@ -15,15 +15,13 @@ import pytest
 
 from shardkit.engines import gguf_io
 from shardkit.engines.gguf_io import (
-    GgufFormatError,
-    GgufUnavailableError,
     llama_tensors,
     read_llama_gguf,
     write_llama_gguf,
     write_tiny_llama_gguf,
 )
 from shardkit.engines.llama_weights import LlamaConfig, LlamaWeights, random_weights
-from shardkit.errors import ShardkitError
+from shardkit.errors import GgufFormatError, GgufUnavailableError, ShardkitError
 
 #: Small enough to keep every test fast; grouped-query attention and a vocab with special tokens.
 SMALL = LlamaConfig(vocab_size=300, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ff_size=64)

@@ -17,18 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import FakeShardEngine, LoadRequest
-from shardkit.cli import main
-from shardkit.driver import Driver
-from shardkit.errors import InvalidTarget, ShardkitError
-from shardkit.isolation import IsolationOptions, isolated_target, target_with_options
-from shardkit.machine import machine_for
-from shardkit.remote.client import RemoteProtocolError
-from shardkit.replay import load_trace, replay
-from shardkit.runner import FuzzResult, fuzz
-from shardkit.steps import Action, step_action
-
-from .planted.dying import DYING, DyingEngine
+from shardkit import FakeShardEngine, LoadRequest, machine_for
+from shardkit._cli.main import main
+from shardkit._core.driver import Driver
+from shardkit._core.steps import Action, step_action
+from shardkit._core.targets import IsolationOptions
+from shardkit._run.replay import load_trace, replay
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
+from shardkit._transport.isolation import isolated_target, target_with_options
+from shardkit.errors import InvalidTarget, RemoteProtocolError, ShardkitError
+from tests.planted.dying import DYING, DyingEngine
 
 pytest.importorskip("grpc")
 
@@ -202,7 +201,7 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
         textwrap.dedent(
             """
             import os
-            from shardkit.isolation import isolated_target
+            from shardkit._transport.isolation import isolated_target
             target = isolated_target("shardkit:FakeShardEngine")
             target()
             print(target.isolation.pids[0], flush=True)
@@ -228,8 +227,10 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
 def test_a_worker_that_cannot_start_is_a_clear_error_and_is_not_left_behind() -> None:
     before = worker_children()
     expected = r"worker process for shardkit:FakeShardEngine exited with code 2 before serving: .* give it at least \d+"
+    machine = machine_for("shardkit:FakeShardEngine", isolate=True, worker_memory_mb=1)  # starts nothing yet
+    assert worker_children() - before == set()
     with pytest.raises(InvalidTarget, match=expected):
-        machine_for("shardkit:FakeShardEngine", isolate=True, worker_memory_mb=1)
+        machine.prepare()
     assert worker_children() - before == set()
 
 
@@ -261,7 +262,7 @@ def test_options_that_cannot_apply_are_refused() -> None:
         (["fuzz", "--worker-memory", "100"], "--worker-memory limits a worker process; it needs --isolate"),
         (["fuzz", "--step-timeout", "1"], "--step-timeout is the deadline of calls to another process"),
         (["fuzz", "grpc://127.0.0.1:9", "--isolate"], "is already out of process"),
-        (["fuzz", "--isolate", "--step-timeout", "0"], "--step-timeout must be a number of seconds"),
+        (["fuzz", "--isolate", "--step-timeout", "0"], "(--step-timeout) must be a number of seconds in (0, 3600]"),
         (["fuzz", "--isolate", "--worker-memory", "lots"], "--worker-memory must be a positive integer"),
     ],
 )

@@ -59,12 +59,12 @@ def _logits_llama(engine: LlamaCppShardEngine, history: list[int], cuts: list[in
 def _numpy_logits(weights: object, history: list[int]) -> np.ndarray:
     engine = NumpyShardEngine(weights)  # type: ignore[arg-type]
     _loaded(engine)
-    _, logits = engine._forward(engine._fresh_cache(), _step(history))
+    _, logits = engine.forward(engine.fresh_cache(), _step(history))
     return np.asarray(logits)
 
 
 def _step(history: list[int]) -> object:
-    from shardkit.engines._sessions import StepInput
+    from shardkit.engines.base import StepInput
 
     return StepInput(tuple(history), None)
 

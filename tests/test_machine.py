@@ -7,9 +7,10 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
-from shardkit.runner import FuzzResult, fuzz
-
-from .planted import PLANTED, PlantedEngine, names_its_property
+from shardkit._machine.state_machine import RunObserver, observed
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
+from tests.planted import PLANTED, PlantedEngine, names_its_property
 
 #: Every outcome SPEC §2 allows for each operation (UNAVAILABLE comes from calls
 #: to a never-loaded engine; fault injections answer OK).
@@ -59,7 +60,7 @@ def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
 
 
 def test_a_failure_message_names_the_step_the_call_and_the_rule() -> None:
-    from .planted import StaleEpochAccepted
+    from tests.planted import StaleEpochAccepted
 
     result = fuzz(StaleEpochAccepted, seed=3, examples=200, steps=50, role="full")
     assert result.failure is not None
@@ -78,10 +79,11 @@ def test_the_fake_is_not_flagged_in_any_role_with_every_fault(role: str) -> None
 
 
 def test_every_allowed_outcome_is_reached_under_the_ci_profile() -> None:
-    machine = machine_for(FakeShardEngine, role="full", faults="all")
+    observer = RunObserver()
+    machine = observed(machine_for(FakeShardEngine, role="full", faults="all"), observer)
     run_state_machine_as_test(machine, settings=settings(settings.get_profile("shardkit-ci"), database=None))
     reached: dict[str, set[str]] = {}
-    for op, outcome in machine.stats.coverage:
+    for op, outcome in observer.coverage:
         reached.setdefault(op, set()).add(outcome)
     missing = {op: sorted(outcomes - reached.get(op, set())) for op, outcomes in ALLOWED_OUTCOMES.items()}
     assert not any(missing.values()), f"never reached: {missing}"
@@ -138,15 +140,36 @@ def test_asking_for_a_fault_the_engine_cannot_take_is_an_error() -> None:
 
             return replace(super().capabilities(), supported_faults=frozenset())
 
+    machine = machine_for(NoNativeFaults, faults="memory_pressure")  # builds no engine yet
     with pytest.raises(ShardkitError, match=r"cannot take the fault\(s\) \['memory_pressure'\]"):
-        machine_for(NoNativeFaults, faults="memory_pressure")
+        machine.prepare()
 
 
 def test_a_role_the_engine_cannot_serve_is_an_error() -> None:
     from shardkit import FakeShardEngineConfig
 
+    machine = machine_for(lambda: FakeShardEngine(FakeShardEngineConfig(total_layers=2)), role="middle")
     with pytest.raises(ShardkitError, match="cannot serve a middle shard"):
-        machine_for(lambda: FakeShardEngine(FakeShardEngineConfig(total_layers=2)), role="middle")
+        machine.prepare()
+    with pytest.raises(ShardkitError, match="cannot serve a middle shard"):
+        machine.TestCase("runTest").runTest()  # a run meets the engine, and says so
+
+
+def test_building_a_machine_builds_no_engine_and_starts_no_worker() -> None:
+    """Importing a test module that calls machine_for does no work: the engine is met on first use."""
+    built: list[int] = []
+
+    class Counted(FakeShardEngine):
+        def __init__(self) -> None:
+            built.append(1)
+            super().__init__()
+
+    machine = machine_for(Counted, role="full")
+    isolated = machine_for("shardkit:FakeShardEngine", isolate=True)
+    assert built == []
+    assert isolated.__name__ == "ShardMachine_FakeShardEngine_any"
+    assert machine.prepare().roles == ("full", "head", "tail", "middle")
+    assert built, "prepare() meets the engine"
 
 
 def test_bad_machine_options_are_clear_errors() -> None:
@@ -157,7 +180,7 @@ def test_bad_machine_options_are_clear_errors() -> None:
 
 
 def test_the_same_seed_gives_the_same_failure_and_steps() -> None:
-    from .planted import SessionStateBleeds
+    from tests.planted import SessionStateBleeds
 
     first = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
     second = fuzz(SessionStateBleeds, seed=9, examples=100, steps=50, role="full")
@@ -177,7 +200,7 @@ def test_without_twins_the_malformed_output_fault_is_left_out_or_refused() -> No
 
 def test_a_reference_engine_fuzzes_the_target_differentially() -> None:
     """Twins built from another implementation: the fake agrees with itself, a chunking bug does not."""
-    from .planted import OutputDependsOnChunking
+    from tests.planted import OutputDependsOnChunking
 
     clean = fuzz(FakeShardEngine, seed=2, examples=60, steps=40, role="full", reference="shardkit:FakeShardEngine")
     assert clean.failure is None, clean.failure and clean.failure.violation.message

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shardkit._core.model import Prediction, ReferenceModel
 from shardkit.contract import (
     BoundaryBundle,
     CacheResult,
@@ -24,7 +25,6 @@ from shardkit.contract import (
     PrefillRequest,
     StatusCode,
 )
-from shardkit.model import Prediction, ReferenceModel
 
 OK = StatusCode.OK
 INVALID = StatusCode.INVALID_ARGUMENT

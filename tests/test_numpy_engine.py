@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit import assert_shard_engine_contract
+from shardkit._core.steps import synthetic_rows
+from shardkit._run.runner import fuzz
 from shardkit.contract import (
     FAULT_KINDS,
     BoundaryBundle,
@@ -35,8 +37,6 @@ from shardkit.contract import (
 from shardkit.engines import NumpyShardEngine
 from shardkit.engines.llama_weights import LlamaConfig, LlamaWeights, random_weights
 from shardkit.engines.numpy_llama import NumpyEngineCrash, default_weights
-from shardkit.runner import fuzz
-from shardkit.steps import synthetic_rows
 
 LAYERS, HIDDEN, VOCAB = 4, 64, 256
 TOLERANCE = NumpyShardEngine.TOLERANCE

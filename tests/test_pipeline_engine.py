@@ -36,9 +36,9 @@ from shardkit import (
     TokenOutput,
     assert_shard_engine_contract,
 )
+from shardkit._run.runner import fuzz
 from shardkit.engines.fake import FakeEngineCrash
 from shardkit.engines.pipeline import PipelineEngine
-from shardkit.runner import fuzz
 
 StepRequest = PrefillRequest | DecodeRequest
 LAYERS = 4

@@ -1,5 +1,7 @@
 """Every command of the README's ```bash blocks runs as written, from a fresh copy of the
-repository (issue 12 §8): a README command that breaks fails this test.
+repository: a README command that breaks fails this test. Its ```python blocks run too: a
+block whose first line names a file (``# sum_engine.py``) is written to that file in the
+copy before any command runs (the commands use it); any other block runs as a script.
 
 Commands are taken block by block (a ``\\`` continues a line, ``&&`` chains are split into
 their parts), so the README may change freely. A part is skipped only when it matches an
@@ -32,6 +34,7 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ("python3 -m venv", "creates the virtual environment this test already runs in"),
     ("pip install", "installs packages: this test runs in the environment they were installed into"),
     ("ruff check", "CI runs it as a step of its own (.ci/run)"),
+    (".venv-oldest", "CI runs it with the oldest Hypothesis, in an environment of its own (.ci/run)"),
     ("mypy --strict", "CI runs it as a step of its own (.ci/run)"),
     ("llama_cpp", "compiles or runs llama.cpp (the llama extra): minutes; tests/test_llama_cpp.py covers the engine"),
     ("grpc://127.0.0.1:7000", "talks to the `shardkit serve … &` started in the background by the line before"),
@@ -54,6 +57,17 @@ class Command:
 
 def bash_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
+
+
+def named_file(block: str) -> str | None:
+    """``sum_engine.py`` for a block that starts with ``# sum_engine.py``."""
+    first = block.splitlines()[0] if block else ""
+    found = re.fullmatch(r"# ([\w./-]+\.py)", first.strip())
+    return found.group(1) if found else None
 
 
 def commands(markdown: str) -> list[Command]:
@@ -99,7 +113,31 @@ def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(REPO_ROOT, copy, ignore=ignored)
     (copy / ".venv").mkdir()
     (copy / ".venv" / "bin").symlink_to(VENV_BIN)
+    for block in python_blocks(README.read_text(encoding="utf-8")):
+        name = named_file(block)
+        if name is not None:
+            (copy / name).write_text(block, encoding="utf-8")
     return copy
+
+
+SCRIPTS = [block for block in python_blocks(README.read_text(encoding="utf-8")) if named_file(block) is None]
+
+
+def test_the_readme_has_python_blocks_and_the_files_they_name_are_used() -> None:
+    """The engine skeleton is a file the README's commands use, not decoration."""
+    markdown = README.read_text(encoding="utf-8")
+    names = [name for name in map(named_file, python_blocks(markdown)) if name is not None]
+    assert "sum_engine.py" in names
+    assert all(any(name in command.text for command in ALL) for name in names), names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[f"python block {n}" for n in range(1, len(SCRIPTS) + 1)])
+def test_a_readme_python_block_runs_as_written(script: str, fresh_copy: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=fresh_copy, env=env, capture_output=True, text=True, timeout=SECONDS_PER_COMMAND, check=False
+    )
+    assert run.returncode == 0, f"{script}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("command", ALL, ids=[f"block {c.block}: {c.text.split('#')[0].strip()}" for c in ALL])

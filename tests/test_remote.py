@@ -45,8 +45,14 @@ from shardkit import (
     TokenOutput,
     assert_shard_engine_contract,
 )
-from shardkit.cli import main
+from shardkit._cli.main import main
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
+from shardkit._transport import codec
+from shardkit._transport.resolve import resolve_target
+from shardkit._transport.server import ShardEngineServicer
 from shardkit.contract import FAULT_KINDS
+from shardkit.errors import EngineLost
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 from shardkit.remote import (
@@ -59,14 +65,9 @@ from shardkit.remote import (
     RemoteShardEngine,
     RemoteUnavailable,
     close_connections,
-    codec,
     serve,
 )
-from shardkit.remote.server import ShardEngineServicer
-from shardkit.runner import FuzzResult, fuzz
-from shardkit.targets import EngineLost, resolve_target
-
-from .planted import DelegatingEngine
+from tests.planted import DelegatingEngine
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "standalone_worker.py"
@@ -655,7 +656,7 @@ def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str)
     ],
 )
 def test_only_loopback_hosts_count_as_loopback(host: str, loopback: bool) -> None:
-    from shardkit.remote.server import is_loopback
+    from shardkit._core.targets import is_loopback
 
     assert is_loopback(host) is loopback
 

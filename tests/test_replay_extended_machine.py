@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from shardkit import TraceFormatError, machine_for, replay
-from shardkit.cli import main
-from shardkit.report import render_failure
-from shardkit.runner import FuzzResult, fuzz
-from shardkit.trace import trace_document
+from shardkit._cli.main import main
+from shardkit._run.report import render_failure
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
+from shardkit._run.trace import trace_document
 from stateful.test_extending_rules import RollbackKeepsTokens, RollbackMachine, RollbackModel
 
 MODULE = "stateful.test_extending_rules"

@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 
-from shardkit import FakeShardEngine, TraceFormatError, replay
-from shardkit.cli import main
+from shardkit import FakeShardEngine, TraceFormatError, machine_for, replay
+from shardkit._cli.main import main
+from shardkit._machine.minimize import replay_actions
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import fuzz
 from shardkit.errors import UntrustedTarget
-from shardkit.machine import machine_for
-from shardkit.minimize import replay_actions
-from shardkit.runner import FuzzResult, fuzz
-
-from .planted import PLANTED, PlantedEngine
+from tests.planted import PLANTED, PlantedEngine
 
 PlantedRuns = dict[type[PlantedEngine], FuzzResult]
 
@@ -97,7 +96,7 @@ def test_regression_files_fail_on_the_buggy_engines_and_pass_on_the_fake(
 
 
 def test_a_trace_records_the_spec_fields(planted_runs: PlantedRuns) -> None:
-    from .planted import MemoryPressureIgnored
+    from tests.planted import MemoryPressureIgnored
 
     document = json.loads(_trace(planted_runs[MemoryPressureIgnored]).read_text())
     assert document["format"] == "shardkit-trace"
@@ -120,7 +119,7 @@ def test_no_trace_is_left_half_written_or_in_progress(planted_runs: PlantedRuns)
 
 @pytest.fixture
 def good_trace(planted_runs: PlantedRuns) -> dict[str, Any]:
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     document: dict[str, Any] = json.loads(_trace(planted_runs[ReleaseLeaksKvTokens]).read_text())
     return document
@@ -260,7 +259,7 @@ def test_ctrl_c_during_shrinking_still_leaves_a_trace(tmp_path: Path) -> None:
 def test_ctrl_c_before_any_failure_exits_130_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardkit import runner
+    from shardkit._run import runner
 
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
@@ -277,9 +276,8 @@ def test_the_shortest_failure_is_on_disk_before_minimisation_and_ctrl_c_there_ke
     """A killed run leaves the in-progress trace; Ctrl-C while minimising still writes the final one."""
     from hypothesis import settings
 
-    from shardkit import runner
-
-    from .planted import FailedCallsNotCounted
+    from shardkit._run import runner
+    from tests.planted import FailedCallsNotCounted
 
     seen: list[list[str]] = []
 
@@ -395,7 +393,7 @@ def test_a_module_targets_regression_test_runs_from_another_folder_without_pytho
     planted_runs: PlantedRuns, tmp_path: Path
 ) -> None:
     """``tests.planted:…`` is found again through the sys.path entry the trace recorded."""
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     result = planted_runs[ReleaseLeaksKvTokens]
     assert result.regression_path is not None
@@ -416,7 +414,7 @@ def test_a_module_targets_regression_test_runs_from_another_folder_without_pytho
 def test_a_regression_test_whose_engine_cannot_be_built_is_an_error_not_a_failure(
     broken: str, planted_runs: PlantedRuns, pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     monkeypatch.setenv("PYTHONPATH", str(repo_root))
     result = planted_runs[ReleaseLeaksKvTokens]
@@ -443,9 +441,8 @@ def test_a_regression_test_whose_engine_cannot_be_built_is_an_error_not_a_failur
 
 
 def test_the_printed_commands_run_as_printed_from_a_folder_with_a_space(repo_root: Path, tmp_path: Path) -> None:
-    from shardkit.report import render_failure
-
-    from .planted import ReleaseLeaksKvTokens
+    from shardkit._run.report import render_failure
+    from tests.planted import ReleaseLeaksKvTokens
 
     out = tmp_path / "my failures" / "run 1"
     result = fuzz(

@@ -16,8 +16,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.database import InMemoryExampleDatabase
 
-from shardkit import FakeShardEngine, machine_for, runner
-from shardkit.runner import Budgets, chunk_seeds, fuzz, run_machine
+from shardkit import FakeShardEngine, machine_for
+from shardkit._run import artefacts
+from shardkit._run.options import Budgets
+from shardkit._run.runner import chunk_seeds, fuzz, run_machine
 
 BUGGY_ENGINE = """
 from tests.planted import CancelLeaksKvTokens as make_engine
@@ -46,7 +48,7 @@ def test_two_files_with_the_same_factory_name_write_two_traces(tmp_path: Path) -
 
 
 def test_roles_get_their_own_trace(tmp_path: Path) -> None:
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     names = set()
     for role in ("head", "tail"):
@@ -58,7 +60,7 @@ def test_roles_get_their_own_trace(tmp_path: Path) -> None:
 
 
 def test_a_different_failure_under_the_same_name_is_kept_beside_it(tmp_path: Path) -> None:
-    from .planted import ReleaseLeaksKvTokens
+    from tests.planted import ReleaseLeaksKvTokens
 
     result = fuzz(ReleaseLeaksKvTokens, seed=3, examples=100, steps=30, role="full", out=tmp_path)
     assert result.trace_path is not None
@@ -77,11 +79,11 @@ def test_a_different_failure_under_the_same_name_is_kept_beside_it(tmp_path: Pat
 
 def test_ctrl_c_while_shrinking_keeps_the_shortest_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An interrupt once wrote the most recent failing example (49 steps) over the shortest (42)."""
-    from .planted import CancelLeaksKvTokens
+    from tests.planted import CancelLeaksKvTokens
 
     machine = machine_for(CancelLeaksKvTokens, role="full")
     seen: list[Any] = []
-    real_offer = runner._Artefacts.offer
+    real_offer = artefacts.Artefacts.offer
 
     def offer_then_interrupt(self: Any, failure: Any) -> None:
         seen.append(failure)
@@ -89,7 +91,7 @@ def test_ctrl_c_while_shrinking_keeps_the_shortest_failure(tmp_path: Path, monke
         if len(failure.records) > min(len(earlier.records) for earlier in seen):
             raise KeyboardInterrupt  # while Hypothesis tries a longer candidate than its best
 
-    monkeypatch.setattr(runner._Artefacts, "offer", offer_then_interrupt)
+    monkeypatch.setattr(artefacts.Artefacts, "offer", offer_then_interrupt)
     result = run_machine(machine, settings(max_examples=200, database=None), seed=3, out=tmp_path)
     lengths = [len(failure.records) for failure in seen]
     assert lengths[-1] > min(lengths), "the interrupt must stop a longer attempt for this to test anything"
@@ -186,7 +188,7 @@ def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
 
 
 def test_the_bench_measures_peak_memory_at_two_sizes_in_fresh_processes() -> None:
-    from shardkit.bench import BenchSettings, _memory
+    from shardkit._cli.bench import BenchSettings, _memory
 
     figures = _memory(BenchSettings(seed=1, memory_examples=(10, 30)))
     assert isinstance(figures, dict), figures
@@ -201,7 +203,7 @@ def test_written_files_get_the_users_umask(tmp_path: Path, umask: int) -> None:
     """Traces were written 0600 whatever the umask (the temporary file's mode)."""
     import os
 
-    from shardkit.trace import write_atomically
+    from shardkit._run.trace import write_atomically
 
     previous = os.umask(umask)
     try:
@@ -215,9 +217,9 @@ def test_step_notes_describe_each_step_as_it_runs_not_as_it_was_drawn() -> None:
     """'# out of order' was seen on a valid step-0 prefill and '# epoch ahead' on a fresh session,
     notes drawn for steps that shrinking had since moved."""
     from shardkit import LoadRequest
-    from shardkit.driver import Driver
-    from shardkit.steps import Action, step_action
-    from shardkit.targets import resolve_target
+    from shardkit._core.driver import Driver
+    from shardkit._core.steps import Action, step_action
+    from shardkit._transport.resolve import resolve_target
 
     driver = Driver(resolve_target(FakeShardEngine), LoadRequest("m", 0, 3, 4), faults=frozenset({"delay"}), twins=False)
 

@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 
 from shardkit import TraceFormatError
-from shardkit.cli import main
+from shardkit._cli.main import main
+from shardkit._run.replay import replay
+from shardkit._run.trace_reader import MAX_TRACE_BYTES, read_trace
 from shardkit.errors import InvalidTarget, UntrustedTarget
-from shardkit.replay import MAX_TRACE_BYTES, read_trace, replay
 
 #: A valid trace of one step that fails on the fake's bug-free behaviour: nothing here needs a bug.
 STEPS = [
@@ -352,7 +353,7 @@ def test_a_project_module_cannot_be_used_to_reach_the_standard_library(name: str
         replay(trace)
 
 
-@pytest.mark.parametrize("name", ["shardkit:machine_for", "shardkit:ReferenceModel", "shardkit.replay:replay"])
+@pytest.mark.parametrize("name", ["shardkit:machine_for", "shardkit:ReferenceModel", "shardkit._run.replay:replay"])
 def test_a_shardkit_name_must_be_one_of_its_engines(name: str, project: Path) -> None:
     trace = _write(project, _document(name))
     with pytest.raises(UntrustedTarget, match="not one of shardkit's engines"):

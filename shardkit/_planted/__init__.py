@@ -22,50 +22,24 @@ from shardkit import (
     EngineCapabilities,
     FakeShardEngine,
     Fault,
-    HealthResult,
-    LoadRequest,
-    LoadResult,
     MetricsResult,
     PrefillRequest,
-    ShardEngine,
     StatusCode,
     StepResult,
     StructuredStatus,
     TokenOutput,
 )
+from shardkit import DelegatingEngine as PublicDelegatingEngine
 
 StepRequest = PrefillRequest | DecodeRequest
 
 
-class DelegatingEngine(ShardEngine):
-    """Delegates contract v1 to a fresh fake (and nothing else: no ``inject_fault``)."""
+class DelegatingEngine(PublicDelegatingEngine[FakeShardEngine]):
+    """Delegates contract v1 to a fresh fake (and nothing else: no ``inject_fault``, which
+    ``shardkit.DelegatingEngine`` does not forward), as a zero-argument target."""
 
     def __init__(self) -> None:
-        self.inner = FakeShardEngine()
-
-    def load(self, request: LoadRequest) -> LoadResult:
-        return self.inner.load(request)
-
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities()
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        return self.inner.prefill(request)
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        return self.inner.decode(request)
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        return self.inner.cancel(session_id, epoch)
-
-    def release(self, session_id: str) -> StructuredStatus:
-        return self.inner.release(session_id)
-
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()
+        super().__init__(FakeShardEngine())
 
 
 class PlantedEngine(DelegatingEngine):

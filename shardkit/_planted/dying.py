@@ -24,8 +24,7 @@ from shardkit import (
     StepResult,
     StructuredStatus,
 )
-
-from . import PlantedEngine
+from shardkit._planted import PlantedEngine
 
 #: How far the unbounded allocator goes before giving up: far beyond any test's
 #: --worker-memory, yet survivable by the machine if a limit were not enforced.

@@ -1,4 +1,4 @@
-"""A deterministic fixture engine: SPEC §2 lifecycle exactly, SPEC §3 numerics by construction.
+"""A deterministic fixture engine: contract §2 lifecycle exactly, contract §3 numerics by construction.
 
 The numbers come from hashing rather than arithmetic. Each layer keeps, per session
 epoch, a running sha256 digest over every row it has consumed (that digest chain is the
@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shardkit.contract import LoadRequest, Role
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
+from shardkit.engines._checks import is_int_at_least
+from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 
 __all__ = ["FakeEngineCrash", "FakeShardEngine", "FakeShardEngineConfig"]
 
@@ -45,7 +45,7 @@ class FakeEngineCrash(RuntimeError):
 
 @dataclass(frozen=True)
 class FakeShardEngineConfig:
-    """Sizes and budgets (SPEC §1 fixes the defaults) plus fault knobs, all off by default."""
+    """Sizes and budgets (contract §1 fixes the defaults) plus fault knobs, all off by default."""
 
     total_layers: int = 4
     hidden_size: int = 8
@@ -132,7 +132,7 @@ class _HashLayers:
 
 
 class FakeShardEngine(SessionEngine[list[bytes]]):
-    """A deterministic ``ShardEngine`` with native support for every SPEC §4 fault."""
+    """A deterministic ``ShardEngine`` with native support for every contract §4 fault."""
 
     ENGINE_NAME: ClassVar[str] = "FakeShardEngine"
     EVIDENCE_CLASS: ClassVar[Literal["fixture"]] = "fixture"
@@ -160,15 +160,15 @@ class FakeShardEngine(SessionEngine[list[bytes]]):
         )
         self._hash: _HashLayers | None = None
 
-    def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
+    def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         seed = hashlib.sha256(request.model_id.encode("utf-8", "surrogatepass")).digest()
         self._hash = _HashLayers(seed, layers, role)
 
-    def _fresh_cache(self) -> list[bytes]:
+    def fresh_cache(self) -> list[bytes]:
         assert self._hash is not None
         return self._hash.fresh_chains()
 
-    def _forward(self, cache: list[bytes], step: StepInput) -> tuple[list[bytes], Produced]:
+    def forward(self, cache: list[bytes], step: StepInput) -> tuple[list[bytes], Produced]:
         numerics, hidden = self._hash, self._config.hidden_size
         assert numerics is not None
         if step.token_ids is not None:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..errors import ShardkitError
-from .llama_weights import LAYER_TENSORS, LlamaConfig, LlamaLayer, LlamaWeights, Matrix, random_weights
+from shardkit.engines.llama_weights import LAYER_TENSORS, LlamaConfig, LlamaLayer, LlamaWeights, Matrix, random_weights
+from shardkit.errors import GgufFormatError, GgufUnavailableError
 
 if TYPE_CHECKING:
     import gguf
@@ -42,15 +42,6 @@ __all__ = [
 
 ARCHITECTURE = "llama"
 _INSTALL_HINT = "pip install 'shardkit[gguf]'"
-
-
-class GgufFormatError(ShardkitError, ValueError):
-    """A GGUF file that is missing, unreadable, not GGUF, or not a plain llama model
-    shardkit can hold; the message names the file and the offending key or tensor."""
-
-
-class GgufUnavailableError(ShardkitError, ImportError):
-    """The optional ``gguf`` package is not installed."""
 
 
 def _require_gguf(action: str) -> None:

@@ -5,7 +5,7 @@ llama-cpp-python). One llama.cpp context serves every session: a session epoch
 owns one sequence id of the context's unified KV cache, prefill and decode go
 through ``llama_batch`` / ``llama_decode``, the token is the greedy argmax of the
 last logits, and cancel, release and restart drop the sequence with
-``llama_memory_seq_rm``. Every SPEC §2 rule is enforced by ``SessionEngine``
+``llama_memory_seq_rm``. Every contract §2 rule is enforced by ``SessionEngine``
 before anything reaches llama.cpp, so a bad token id or step never meets a
 native assertion (which would abort the whole process).
 
@@ -28,8 +28,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shardkit.contract import EngineError, LoadRequest, Role, StatusCode, StructuredStatus
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
+from shardkit.engines._checks import is_int_at_least
+from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 
 __all__ = ["LlamaCppEngineCrash", "LlamaCppShardEngine", "numpy_reference", "tiny_gguf_path"]
 
@@ -50,7 +50,7 @@ def tiny_gguf_path() -> Path:
     folder = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "shardkit-cache")
     path = folder / "tiny-llama-f32-seed0.gguf"
     if not path.is_file():
-        from .gguf_io import write_tiny_llama_gguf
+        from shardkit.engines.gguf_io import write_tiny_llama_gguf
 
         write_tiny_llama_gguf(path)
     return path
@@ -60,21 +60,22 @@ def numpy_reference() -> Any:
     """A ``NumpyShardEngine`` on the same tiny GGUF: the reference for differential fuzzing
     (``shardkit fuzz shardkit.engines.llama_cpp:LlamaCppShardEngine --reference
     shardkit.engines.llama_cpp:numpy_reference``)."""
-    from .numpy_llama import NumpyShardEngine
+    from shardkit.engines.numpy_llama import NumpyShardEngine
 
     return NumpyShardEngine(_tiny_weights())
 
 
 @functools.cache
 def _tiny_weights() -> Any:
-    from .gguf_io import read_llama_gguf
+    from shardkit.engines.gguf_io import read_llama_gguf
 
     return read_llama_gguf(tiny_gguf_path())
 
 
 @functools.cache
-def _llama() -> Any:
-    """The llama_cpp module, with the backend initialised and its logging silenced, once."""
+def _llama_and_log_callback() -> tuple[Any, Any]:
+    """The llama_cpp module, with the backend initialised and its logging silenced, once; and
+    the logging callback, which ctypes needs kept alive (the cache keeps it)."""
     try:
         import llama_cpp
     except ImportError as error:
@@ -85,13 +86,13 @@ def _llama() -> Any:
         pass
 
     quiet = llama_cpp.llama_log_callback(ignore)
-
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
-    _llama_callbacks.append(quiet)  # ctypes must keep the callback alive
-    return llama_cpp
+    return llama_cpp, quiet
 
 
-_llama_callbacks: list[Any] = []
+def _llama() -> Any:
+    """The llama_cpp module, with the backend initialised and its logging silenced."""
+    return _llama_and_log_callback()[0]
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class _Sequence:
 
 
 class LlamaCppShardEngine(SessionEngine[_Sequence]):
-    """llama.cpp as a full-role ``ShardEngine``; every SPEC §4 fault is native."""
+    """llama.cpp as a full-role ``ShardEngine``; every contract §4 fault is native."""
 
     ENGINE_NAME: ClassVar[str] = "LlamaCppShardEngine"
     EVIDENCE_CLASS: ClassVar[Literal["real"]] = "real"
@@ -155,38 +156,38 @@ class LlamaCppShardEngine(SessionEngine[_Sequence]):
         if model:
             llama.llama_model_free(model)
 
-    def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
+    def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         if role != "full":
             message = (
-                f"LlamaCppShardEngine serves the whole model only (layers 0..{self._spec.total_layers - 1}); "
+                f"LlamaCppShardEngine serves the whole model only (layers 0..{self.spec.total_layers - 1}); "
                 f"got layers {layers.start}..{layers.stop - 1}"
             )
             raise EngineError(StructuredStatus(StatusCode.INVALID_ARGUMENT, message))
         llama = _llama()
         params = llama.llama_context_default_params()
         # One sequence per session, plus one so a restart can start its new epoch's sequence.
-        sequences = self._spec.max_sessions + 1
+        sequences = self.spec.max_sessions + 1
         params.n_seq_max = sequences
         params.kv_unified = True
-        params.n_ctx = self._spec.max_kv_tokens * 2 + 32  # room for a restart's old and new epoch
-        params.n_batch = params.n_ubatch = self._spec.max_kv_tokens
+        params.n_ctx = self.spec.max_kv_tokens * 2 + 32  # room for a restart's old and new epoch
+        params.n_batch = params.n_ubatch = self.spec.max_kv_tokens
         params.n_threads = params.n_threads_batch = 1
         self._context = llama.llama_init_from_model(self._model, params)
         if not self._context:
             message = f"llama.cpp could not create a context for {str(self._path)!r}"
             raise EngineError(StructuredStatus(StatusCode.INTERNAL, message))
-        self._batch = llama.llama_batch_init(self._spec.max_kv_tokens, 0, 1)
+        self._batch = llama.llama_batch_init(self.spec.max_kv_tokens, 0, 1)
         self._free_sequences = list(range(sequences))
 
-    def _fresh_cache(self) -> _Sequence:
+    def fresh_cache(self) -> _Sequence:
         return _Sequence(self._free_sequences.pop(0), 0)
 
-    def _release_cache(self, cache: _Sequence) -> None:
+    def release_cache(self, cache: _Sequence) -> None:
         llama = _llama()
         llama.llama_memory_seq_rm(llama.llama_get_memory(self._context), cache.seq_id, -1, -1)
         self._free_sequences.append(cache.seq_id)
 
-    def _forward(self, cache: _Sequence, step: StepInput) -> tuple[_Sequence, Produced]:
+    def forward(self, cache: _Sequence, step: StepInput) -> tuple[_Sequence, Produced]:
         llama = _llama()
         assert step.token_ids is not None, "a full shard takes token ids"
         batch, count = self._batch, len(step.token_ids)
@@ -202,5 +203,5 @@ class LlamaCppShardEngine(SessionEngine[_Sequence]):
             message = f"llama_decode returned {code} for {count} tokens of sequence {cache.seq_id}"
             raise RuntimeError(message)
         logits = llama.llama_get_logits_ith(self._context, count - 1)
-        row = np.ctypeslib.as_array(logits, shape=(self._spec.vocab_size,)).copy()
+        row = np.ctypeslib.as_array(logits, shape=(self.spec.vocab_size,)).copy()
         return _Sequence(cache.seq_id, cache.positions + count), row

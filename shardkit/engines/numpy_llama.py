@@ -28,9 +28,9 @@ import numpy as np
 import numpy.typing as npt
 
 from shardkit.contract import LoadRequest, Role
-
-from ._sessions import EngineSpec, Produced, SessionEngine, StepInput, is_int_at_least
-from .llama_weights import LlamaConfig, LlamaLayer, LlamaWeights, random_weights
+from shardkit.engines._checks import is_int_at_least
+from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
+from shardkit.engines.llama_weights import LlamaConfig, LlamaLayer, LlamaWeights, random_weights
 
 __all__ = ["ARCHITECTURE", "NumpyEngineCrash", "NumpyShardEngine", "default_weights"]
 
@@ -196,7 +196,7 @@ def _load_shard(weights: LlamaWeights, layers: range, role: Role) -> _Shard:
 
 
 class NumpyShardEngine(SessionEngine[_KVCache]):
-    """A llama decoder shard in numpy float32, with native support for every SPEC §4 fault.
+    """A llama decoder shard in numpy float32, with native support for every contract §4 fault.
 
     With no ``weights`` it serves ``random_weights(LlamaConfig(), seed=0)`` (4 layers,
     hidden size 64, 4 heads, vocab 256), so the class itself is a zero-argument engine
@@ -250,14 +250,14 @@ class NumpyShardEngine(SessionEngine[_KVCache]):
     def weights(self) -> LlamaWeights:
         return self._weights
 
-    def _load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
+    def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         self._shard = _load_shard(self._weights, layers, role)
 
-    def _fresh_cache(self) -> _KVCache:
+    def fresh_cache(self) -> _KVCache:
         assert self._shard is not None
         return self._shard.empty_cache()
 
-    def _forward(self, cache: _KVCache, step: StepInput) -> tuple[_KVCache, Produced]:
+    def forward(self, cache: _KVCache, step: StepInput) -> tuple[_KVCache, Produced]:
         shard = self._shard
         assert shard is not None
         if step.token_ids is not None:

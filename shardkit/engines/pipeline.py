@@ -4,7 +4,7 @@
 ``ShardEngine`` with the ``full`` role, so the kit can fuzz the coordination itself:
 against the reference model, and differentially against a single full engine.
 
-How the stages are kept consistent (SPEC §2: a non-OK result leaves *all* session
+How the stages are kept consistent (contract §2: a non-OK result leaves *all* session
 state unchanged, so no stage may be left advanced by a step the pipeline refuses):
 
 * **The first stage's verdict is decisive.** Every stage receives the same
@@ -28,8 +28,8 @@ state unchanged, so no stage may be left advanced by a step the pipeline refuses
 * An exception out of a stage propagates: it is the death of that stage's process.
 
 Bundles: stage 1 gets the request as is; each later stage gets a request of the same
-type with the same session, epoch and step, carrying the previous stage's bundle. SPEC
-§1 lets a middle accept only ``post_head_residual``, so with two or more middles the
+type with the same session, epoch and step, carrying the previous stage's bundle. The
+contract (§1) lets a middle accept only ``post_head_residual``, so with two or more middles the
 bundle going into the second is re-tagged ``post_head_residual`` (to it, the stages
 before it together are its head); rows and sideband are forwarded untouched.
 
@@ -72,9 +72,8 @@ from shardkit.contract import (
     TokenOutput,
     role_of,
 )
+from shardkit.engines._checks import identity_problem, refusal
 from shardkit.engines.fake import FakeShardEngine
-
-from ._sessions import identity_problem, refusal
 
 __all__ = ["PipelineEngine"]
 
@@ -100,7 +99,7 @@ class _Stage:
 
 
 def _as_input_for(role: Role, bundle: BoundaryBundle) -> BoundaryBundle:
-    """A middle accepts only ``post_head_residual`` (SPEC §1), so a middle's bundle going
+    """A middle accepts only ``post_head_residual`` (contract §1), so a middle's bundle going
     to a second middle is re-tagged: to the receiving stage, every stage before it
     together is its head. The tag is metadata; the rows and sideband are untouched."""
     head_point = OUTPUT_BOUNDARY_POINT["head"]
@@ -182,7 +181,7 @@ class PipelineEngine(ShardEngine):
 
     def _combine(self, figures: Sequence[EngineCapabilities]) -> EngineCapabilities:
         """The pipeline's capabilities from the stages': shared figures must agree,
-        budgets are the minimum, tolerances add up (SPEC §3 composition)."""
+        budgets are the minimum, tolerances add up (contract §3 composition)."""
         first = figures[0]
         for number, caps in enumerate(figures[1:], start=2):
             for name in _SHARED_FIGURES:
@@ -338,7 +337,7 @@ class PipelineEngine(ShardEngine):
         return refusal(StatusCode.INTERNAL, message)
 
     def _input_problem(self, request: _StepRequest, operation: str) -> str | None:
-        """SPEC §2 rule 2 for the pipeline as a full engine, checked before any stage sees the request."""
+        """contract §2 rule 2 for the pipeline as a full engine, checked before any stage sees the request."""
         problem = identity_problem(request.session_id, epoch=request.epoch, step=request.step)
         if problem is not None:
             return problem

@@ -1,0 +1,1 @@
+"""The ``shardkit`` command: a thin adapter over the library, and the bench."""

@@ -1,0 +1,403 @@
+"""``shardkit bench``: throughput, time-to-find and shrink quality, measured side by side.
+
+Ratios are taken within one process and one run, so a noisy shared machine
+shifts both sides alike. Nothing here asserts a speed: it prints figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+from shardkit._core.conformance import assert_shard_engine_contract
+from shardkit._machine.build import build_machine
+from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._run.runner import fuzz
+from shardkit._transport.resolve import resolve_target
+from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
+from shardkit.engines import FakeShardEngine
+from shardkit.errors import ContractViolation, InvalidTarget
+
+__all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    examples: int = 200
+    steps: int = 50
+    seed: int = 1
+    #: The planted-bug engines ship with the package (private), so bench runs from an installed wheel.
+    planted_module: str | None = "shardkit._planted"
+    #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process
+    #: (``--memory``); empty: not measured (a 3 000-example run takes minutes).
+    memory_examples: tuple[int, ...] = ()
+
+
+def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
+    """A machine of the same shape as ``machine`` — the same rules drawing the same
+    strategies — whose rules do nothing but count: what Hypothesis alone costs."""
+    shape = machine.setup_state()
+    namespace: dict[str, Any] = {"steps": 0}
+
+    def counting(name: str) -> Callable[..., None]:
+        def step(self: RuleBasedStateMachine, **arguments: int) -> None:
+            type(self).steps += 1  # type: ignore[attr-defined]
+
+        step.__name__ = name
+        return step
+
+    for initializer in shape.initializers:
+        namespace[initializer.function.__name__] = initialize(**initializer.arguments)(counting("init"))  # type: ignore[no-untyped-call]
+    for each in shape.rules:
+        namespace[each.function.__name__] = rule(**each.arguments)(counting(each.function.__name__))  # type: ignore[no-untyped-call]
+    return type(f"Bare{machine.__name__}", (RuleBasedStateMachine,), namespace)
+
+
+def bare_steps_per_second(machine: type[ShardMachine], examples: int, steps: int, seed: int) -> float:
+    bare = bare_machine_like(machine)
+    run_settings = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    started = time.perf_counter()
+    run_state_machine_as_test(hypothesis_seed(seed)(bare), settings=run_settings)
+    counted: int = bare.steps  # type: ignore[attr-defined]
+    return counted / (time.perf_counter() - started)
+
+
+def _throughput(config: BenchSettings) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for role in ROLES:
+        kit = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
+        bare = bare_steps_per_second(
+            build_machine(FakeShardEngine, role=role), config.examples, config.steps, config.seed
+        )
+        kit_rate = kit.steps / kit.elapsed_s
+        rows[role] = {
+            "kit_steps_per_s": round(kit_rate, 1),
+            "bare_steps_per_s": round(bare, 1),
+            "throughput_ratio": round(kit_rate / bare, 3),
+        }
+    return rows
+
+
+#: Engines compared on kit throughput and on the cost of one decode step (full role).
+ENGINE_TARGETS = (
+    ("fake", "shardkit:FakeShardEngine"),
+    ("numpy", "shardkit:NumpyShardEngine"),
+    ("llama.cpp", "shardkit.engines.llama_cpp:LlamaCppShardEngine"),
+)
+
+
+def _decode_step_microseconds(target: str, decodes: int = 200) -> float:
+    """Median wall time of one accepted decode on a loaded engine, after a 16-token prefill."""
+    engine = resolve_target(target)()
+    total = engine.capabilities().total_layers
+    engine.load(LoadRequest("bench", 0, total - 1, total))
+    timings: list[float] = []
+    epoch = 0
+    while len(timings) < decodes:
+        engine.prefill(PrefillRequest("s", epoch, 0, token_ids=tuple(range(16))))
+        for step in range(1, 33):  # a restart every 32 decodes keeps the session inside max_kv_tokens
+            request = DecodeRequest("s", epoch, step, token_ids=(step % 8,))
+            started = time.perf_counter()
+            result = engine.decode(request)
+            timings.append(time.perf_counter() - started)
+            if not result.status.ok:
+                message = f"{target} refused a benchmark decode: {result.status.code.name} {result.status.message}"
+                raise RuntimeError(message)
+        epoch += 1
+    return round(statistics.median(timings) * 1e6, 1)
+
+
+def _engines(config: BenchSettings) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, target in ENGINE_TARGETS:
+        try:
+            resolve_target(target)()
+        except (ImportError, InvalidTarget) as missing:
+            rows[name] = f"skipped: {missing}"
+            continue
+        run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, role="full")
+        rows[name] = {
+            "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
+            "decode_step_us": _decode_step_microseconds(target),
+            "failure": run.failure.violation.property if run.failure is not None else None,
+        }
+    return rows
+
+
+def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
+    """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
+    (``--isolate``): the same seed, so the same steps, at different costs."""
+    try:
+        from shardkit._transport.client import close_connection
+        from shardkit._transport.isolation import isolated_target
+    except ImportError as error:
+        return f"skipped: needs the grpc extra ({error})"
+    rows: dict[str, Any] = {}
+    for faults in ("all", "none"):
+        for mode in ("in-process", "grpc", "isolated"):
+            row: dict[str, Any] = {}
+            with contextlib.ExitStack() as stack:
+                target: Any = "shardkit:FakeShardEngine"
+                if mode == "grpc":
+                    target = stack.enter_context(_served_fake())
+                    stack.callback(close_connection, target)
+                elif mode == "isolated":
+                    target = isolated_target(target)
+                    stack.callback(target.isolation.close)
+                run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+                row["steps_per_s"] = round(run.steps / run.elapsed_s, 1)
+                row["steps"] = run.steps
+                if mode == "isolated":
+                    row["workers_started"] = target.isolation.workers_started
+            rows[f"{mode}, faults {faults}"] = row
+    return rows
+
+
+@contextlib.contextmanager
+def _served_fake() -> Iterator[str]:
+    """A ``shardkit serve`` process for the fake on a Unix socket, stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as folder:
+        address = f"unix:{folder}/fake.sock"
+        command = [sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", address]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as server:
+            try:
+                assert server.stdout is not None
+                server.stdout.readline()  # "serving … on …" once it listens
+                yield address
+            finally:
+                server.kill()
+
+
+def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
+    if config.planted_module is None:
+        return "skipped (--planted none)"
+    try:
+        module = importlib.import_module(config.planted_module)
+    except ImportError as error:
+        return f"skipped: cannot import {config.planted_module!r} ({error})"
+    rows = []
+    for engine in module.PLANTED:
+        started = time.perf_counter()
+        result = fuzz(
+            f"{config.planted_module}:{engine.__name__}",
+            seed=config.seed,
+            examples=config.examples,
+            steps=config.steps,
+            role=engine.ROLE,
+        )
+        total = time.perf_counter() - started
+        first_examples, first_seconds, walk_length = result.first_failure or (None, None, None)
+        try:
+            assert_shard_engine_contract(getattr(module, engine.__name__))
+            caught_by_contract = False
+        except ContractViolation:
+            caught_by_contract = True
+        found = result.failure is not None and module.names_its_property(engine, result.failure.violation.property)
+        shrunk = len(result.failure.records) if result.failure is not None else None
+        hypothesis_length = _length(result.hypothesis_failure)
+        rows.append(
+            {
+                "engine": engine.__name__,
+                "bug": engine.BUG,
+                "found": found,
+                "property": result.failure.violation.property if result.failure is not None else None,
+                "examples_to_first_failure": first_examples,
+                "seconds_to_first_failure": _rounded(first_seconds),
+                "random_walk_length": walk_length,
+                "shrunk_length": shrunk,
+                "hypothesis_shrunk_length": hypothesis_length,
+                "minimal_length": len(engine.MINIMAL),
+                "seconds_shrinking": _rounded(total - first_seconds) if first_seconds is not None else None,
+                "caught_by_contract": caught_by_contract,
+            }
+        )
+    return rows
+
+
+def _length(failure: FailureReport | None) -> int | None:
+    return len(failure.records) if failure is not None else None
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+_MEMORY_PROBE = """
+import sys
+from shardkit import FakeShardEngine
+from shardkit._run.runner import fuzz
+
+fuzz(FakeShardEngine, seed=int(sys.argv[1]), examples=int(sys.argv[2]), steps=int(sys.argv[3]))
+with open("/proc/self/status") as status:
+    print(next(line.split()[1] for line in status if line.startswith("VmHWM:")))
+"""
+
+
+def _memory(config: BenchSettings) -> dict[str, Any] | str:
+    """Peak RSS of ``shardkit fuzz`` on the fake (100 steps an example, the nightly length) at
+    each size, each in a process of its own: the kit runs long campaigns as a series of
+    bounded Hypothesis runs, so the peak must not grow with the number of examples."""
+    if not config.memory_examples:
+        return "not measured (shardkit bench --memory)"
+    if not Path("/proc/self/status").exists():
+        return "not measured: needs /proc (Linux)"
+    peaks: dict[str, Any] = {}
+    for examples in config.memory_examples:
+        started = time.perf_counter()
+        finished = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, str(config.seed), str(examples), "100"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        peaks[str(examples)] = {
+            "peak_rss_mb": round(int(finished.stdout.split()[-1]) / 1024, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+    sizes = [peaks[str(examples)]["peak_rss_mb"] for examples in config.memory_examples]
+    peaks["ratio_largest_to_smallest"] = round(max(sizes[-1], 1e-9) / max(sizes[0], 1e-9), 2)
+    return peaks
+
+
+def run_bench(config: BenchSettings) -> dict[str, Any]:
+    started = time.perf_counter()
+    throughput = _throughput(config)
+    engines = _engines(config)
+    out_of_process = _out_of_process(config)
+    planted = _planted(config)
+    memory = _memory(config)
+    full = throughput["full"]
+    return {
+        "examples": config.examples,
+        "steps": config.steps,
+        "seed": config.seed,
+        "kit_steps_per_s": full["kit_steps_per_s"],
+        "bare_steps_per_s": full["bare_steps_per_s"],
+        "throughput_ratio": full["throughput_ratio"],
+        "per_role": throughput,
+        "engines": engines,
+        "out_of_process": out_of_process,
+        "planted": planted,
+        "memory": memory,
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+
+
+_PLANTED_COLUMNS = (
+    ("examples", "examples_to_first_failure"),
+    ("secs", "seconds_to_first_failure"),
+    ("walk", "random_walk_length"),
+    ("hyp", "hypothesis_shrunk_length"),
+    ("shrunk", "shrunk_length"),
+    ("min", "minimal_length"),
+    ("shrink s", "seconds_shrinking"),
+)
+
+
+def render(bench: dict[str, Any]) -> str:
+    lines = [
+        f"throughput, {bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']} (fake engine, faults on):",
+        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}",
+    ]
+    for role, row in bench["per_role"].items():
+        lines.append(
+            f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
+        )
+    lines.append("engines (full role, faults on):")
+    for name, row in bench["engines"].items():
+        if isinstance(row, str):
+            lines.append(f"  {name:<10} {row}")
+        else:
+            found = f"; FAILURE {row['failure']}" if row["failure"] else ""
+            lines.append(
+                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs"
+                f"{found}"
+            )
+    out_of_process = bench["out_of_process"]
+    if isinstance(out_of_process, str):
+        lines.append(f"out of process: {out_of_process}")
+    else:
+        lines.append("out of process (fake, same seed: the same steps):")
+        base = {faults: out_of_process[f"in-process, faults {faults}"]["steps_per_s"] for faults in ("all", "none")}
+        for name, row in out_of_process.items():
+            faults = name.rpartition(" ")[2]
+            started = row.get("workers_started")
+            workers = "" if started is None else f", {started} worker process{'es' if started != 1 else ''} started"
+            lines.append(
+                f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s  x{base[faults] / row['steps_per_s']:.1f} slower"
+                f"  ({row['steps']} steps{workers})"
+            )
+    planted = bench["planted"]
+    if isinstance(planted, str):
+        lines.append(f"planted bugs: {planted}")
+    else:
+        lines.append("planted bugs (walk: length of the first failing example, as a random walk reports it):")
+        heading = "".join(f" {title:>8}" for title, _ in _PLANTED_COLUMNS)
+        lines.append(f"  {'engine':<30} {'found':<5}{heading} {'contract':>8}")
+        for row in planted:
+            cells = "".join(f" {_cell(row[key]):>8}" for _, key in _PLANTED_COLUMNS)
+            caught = "caught" if row["caught_by_contract"] else "-"
+            lines.append(f"  {row['engine']:<30} {'yes' if row['found'] else 'NO':<5}{cells} {caught:>8}")
+        lines.append("  " + _planted_summary(planted))
+    memory = bench["memory"]
+    if isinstance(memory, str):
+        lines.append(f"memory: {memory}")
+    else:
+        sizes = [key for key in memory if key.isdigit()]
+        cells = ", ".join(f"{memory[key]['peak_rss_mb']} MB at {int(key):,} examples" for key in sizes)
+        lines.append(
+            f"memory (fake, 100 steps an example, a fresh process each): peak RSS {cells}; "
+            f"ratio {memory['ratio_largest_to_smallest']}"
+        )
+    lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def _planted_summary(planted: list[dict[str, Any]]) -> str:
+    found = [row for row in planted if row["found"]]
+    at_minimum = [row for row in found if row["shrunk_length"] == row["minimal_length"]]
+    within_one = [row for row in found if row["shrunk_length"] <= row["minimal_length"] + 1]
+    contract = sum(row["caught_by_contract"] for row in planted)
+    return (
+        f"found {len(found)}/{len(planted)}; at the minimum {len(at_minimum)}/{len(planted)}, within one step "
+        f"{len(within_one)}/{len(planted)}; median time to first failure "
+        f"{_cell(_median([row['seconds_to_first_failure'] for row in found]))} s; median random-walk length "
+        f"{_cell(_median([row['random_walk_length'] for row in found]))} steps vs shrunk "
+        f"{_cell(_median([row['shrunk_length'] for row in found]))}; the static contract alone catches "
+        f"{contract}/{len(planted)}"
+    )
+
+
+def _median(values: list[Any]) -> Any:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,146 @@
+"""Checks of what an engine returns (contract §3 "shape and range").
+
+These compare one observed result with what the contract allows for the
+request that produced it; they know nothing of Hypothesis or of the model's
+state, so the machine, the static contract and replay all share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardkit._core.model import StepRequest, input_length
+from shardkit.contract import (
+    OUTPUT_BOUNDARY_POINT,
+    RESIDUAL_TENSOR,
+    BoundaryBundle,
+    EngineCapabilities,
+    StepResult,
+    TokenOutput,
+)
+
+__all__ = ["HistoryMemo", "Payload", "output_problems", "payload_difference", "payloads_of"]
+
+
+def output_problems(caps: EngineCapabilities, request: StepRequest, result: StepResult) -> list[str]:
+    """Everything wrong with ``result`` as an answer to the well-formed ``request``."""
+    if not result.status.ok:
+        return [] if result.output is None else [f"a {result.status.code.name} result carries an output"]
+    output = result.output
+    if caps.role in ("tail", "full"):
+        if not isinstance(output, TokenOutput):
+            return [f"a {caps.role} must return a TokenOutput, returned {type(output).__name__}"]
+        if not 0 <= output.token_id < caps.vocab_size:
+            return [f"token id {output.token_id} is outside the vocabulary [0, {caps.vocab_size})"]
+        return []
+    if not isinstance(output, BoundaryBundle):
+        return [f"a {caps.role} must return a BoundaryBundle, returned {type(output).__name__}"]
+    return _bundle_problems(caps, request, output)
+
+
+def _bundle_problems(caps: EngineCapabilities, request: StepRequest, bundle: BoundaryBundle) -> list[str]:
+    problems: list[str] = []
+    expected_point = OUTPUT_BOUNDARY_POINT[caps.role]
+    if bundle.boundary_point != expected_point:
+        problems.append(f"boundary point is {bundle.boundary_point!r}, expected {expected_point!r}")
+    if bundle.architecture != caps.architecture:
+        problems.append(f"architecture is {bundle.architecture!r}, expected {caps.architecture!r}")
+    echoed = (bundle.session_id, bundle.epoch, bundle.step)
+    asked = (request.session_id, request.epoch, request.step)
+    if echoed != asked:
+        problems.append(f"bundle echoes (session, epoch, step) {echoed!r}, the request was {asked!r}")
+    rows = input_length(request)
+    problems += _residual_problems(caps, bundle, rows)
+    expected_sideband = _expected_sideband(caps, request)
+    if bundle.token_id_sideband != expected_sideband:
+        problems.append(f"sideband is {bundle.token_id_sideband!r}, expected {expected_sideband!r}")
+    return problems
+
+
+def _residual_problems(caps: EngineCapabilities, bundle: BoundaryBundle, rows: int) -> list[str]:
+    if len(bundle.tensors) != 1 or bundle.tensors[0].name != RESIDUAL_TENSOR:
+        names = [tensor.name for tensor in bundle.tensors]
+        return [f"bundle must hold exactly one tensor named {RESIDUAL_TENSOR!r}, holds {names}"]
+    tensor = bundle.tensors[0]
+    expected_shape = (rows, caps.hidden_size)
+    if tensor.shape != expected_shape:
+        return [f"residual shape is {tensor.shape}, expected {expected_shape}"]
+    if tensor.dtype != caps.dtype:
+        return [f"residual dtype is {tensor.dtype!r}, expected {caps.dtype!r}"]
+    expected_bytes = rows * caps.hidden_size * np.dtype(caps.dtype).itemsize
+    if len(tensor.data) != expected_bytes:
+        return [f"residual holds {len(tensor.data)} bytes, shape {tensor.shape} needs {expected_bytes}"]
+    if not np.isfinite(tensor.to_array()).all():
+        return ["residual holds a non-finite value"]
+    return []
+
+
+def _expected_sideband(caps: EngineCapabilities, request: StepRequest) -> tuple[int, ...] | None:
+    if caps.role == "head":
+        return request.token_ids
+    assert request.bundle is not None
+    return request.bundle.token_id_sideband
+
+
+# --- determinism, isolation and chunking invariance (contract §3) -----------------------------
+
+#: What an output says about one history: the residual row at its last position,
+#: or the token predicted after it (with the engine's margin, if it knows it).
+Payload = np.ndarray[Any, Any] | tuple[int, float | None]
+
+
+def payloads_of(output: BoundaryBundle | TokenOutput, positions: int) -> list[Payload]:
+    """One payload per history the output speaks for: every row of a bundle, or the
+    token of the whole history (which is the last of ``positions``)."""
+    if isinstance(output, TokenOutput):
+        return [(output.token_id, output.margin)]
+    rows = output.tensors[0].to_array()
+    return [rows[index] for index in range(min(positions, rows.shape[0]))]
+
+
+def payload_difference(
+    expected: Payload, observed: Payload, tolerance: float, *, near_ties_may_flip: bool = True
+) -> str | None:
+    """None when the two agree within ``tolerance``; otherwise how they differ.
+
+    A token may differ where a margin is below ``tolerance`` (contract §3), unless
+    ``near_ties_may_flip`` is False: to tell an injected wrong token from a near-tie."""
+    if isinstance(expected, tuple) and isinstance(observed, tuple):
+        if expected[0] == observed[0]:
+            return None
+        margins = [margin for margin in (expected[1], observed[1]) if margin is not None]
+        if near_ties_may_flip and margins and min(margins) < tolerance:
+            return None
+        return f"token {observed[0]}, expected {expected[0]}"
+    if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
+        if expected.shape != observed.shape:
+            return f"row of shape {observed.shape}, expected {expected.shape}"
+        if tolerance == 0.0:
+            same = expected.tobytes() == observed.tobytes()
+            return None if same else f"row differs bit-wise (max abs diff {_max_diff(expected, observed):.3g})"
+        diff = _max_diff(expected, observed)
+        return None if diff <= tolerance else f"row differs by {diff:.3g} > tolerance {tolerance:.3g}"
+    return f"{type(observed).__name__} where {type(expected).__name__} was expected"
+
+
+def _max_diff(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) -> float:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.max(np.abs(expected.astype(np.float64) - observed.astype(np.float64)), initial=0.0))
+
+
+@dataclass
+class HistoryMemo:
+    """Reference payloads keyed by input history (token ids from the session epoch's
+    first step). Filled by twin engines, never by the engine under test, so a
+    wrong output can only ever be compared against, not remembered."""
+
+    references: dict[tuple[int, ...], tuple[Payload, str]] = field(default_factory=dict)
+
+    def get(self, history: tuple[int, ...]) -> tuple[Payload, str] | None:
+        return self.references.get(history)
+
+    def remember(self, history: tuple[int, ...], payload: Payload, source: str) -> None:
+        self.references.setdefault(history, (payload, source))

@@ -1,0 +1,178 @@
+"""Judging an OK step's output against the reference, and the twin oracle that answers.
+
+This module owns the comparison of an output: its shape and range, an idempotent retry
+against the result first observed for that step, and each history the output speaks for
+against the reference answer, from the memo or from a twin (a fresh engine from the target,
+or from the reference engine a differential run compares it with). It decides when a
+twin's own failure is a finding and when it is the reference engine's fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
+from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
+from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
+from shardkit._core.steps import Action
+from shardkit._core.targets import ResolvedTarget, passes_through
+from shardkit._core.twins import OracleFailure, TwinSession
+from shardkit.contract import EngineCapabilities, EngineError, StepResult
+from shardkit.errors import InvalidTarget
+
+__all__ = ["OutputChecks", "SessionLog", "flat_history"]
+
+
+def flat_history(session: SessionState) -> tuple[int, ...]:
+    """The session epoch's inputs as token ids: the kit builds every bundle from
+    token ids and sends them as its sideband, so the sideband names each row."""
+    tokens: list[int] = []
+    for chunk in session.history:
+        if chunk and isinstance(chunk[0], bytes):
+            sideband = chunk[1]
+            assert isinstance(sideband, tuple)
+            tokens.extend(sideband)
+        else:
+            tokens.extend(chunk)
+    return tuple(tokens)
+
+
+@dataclass
+class SessionLog:
+    """What the driver saw of one session id, beyond what the model predicts."""
+
+    sent: list[Action] = field(default_factory=list)
+    #: The result observed for each accepted (epoch, step), which a retry must repeat.
+    results: dict[tuple[int, int], StepResult] = field(default_factory=dict)
+    #: Steps whose observed result carried an injected malformed output.
+    tainted: set[tuple[int, int]] = field(default_factory=set)
+
+
+class OutputChecks(StepContext):
+    """Base of the driver: the checks of an OK output and the twin oracle behind them."""
+
+    caps: EngineCapabilities
+    model: ReferenceModel
+    memo: HistoryMemo
+    twins: dict[str, TwinSession]
+    split_twins: bool
+    use_twins: bool
+    differential: bool
+    reference: ResolvedTarget
+    notes: list[str]
+
+    def _output_problems(
+        self, request: StepRequest, predicted: Prediction, result: StepResult, log: SessionLog, *, strict: bool
+    ) -> tuple[list[Fail], list[tuple[int, ...]]]:
+        """What is wrong with an OK result, and the histories it could not be compared on
+        (no reference). ``strict``: an injected corruption is being looked for, so no
+        near-tie token may flip and a retry is never accepted on its equality alone."""
+        problems = self._shape_problems(request, predicted, result)
+        if problems:
+            return problems, []
+        if predicted.is_retry:
+            return self._retry_problems(request, result, log, strict=strict)
+        return self._history_problems(request, result, strict=strict)
+
+    def _shape_problems(self, request: StepRequest, predicted: Prediction, result: StepResult) -> list[Fail]:
+        status = status_text(result.status, result.cache)
+        return [
+            Fail("§3 shape and range", f"{predicted} with a well-formed output", f"{status}: {problem}")
+            for problem in output_problems(self.caps, request, result)
+        ]
+
+    def _retry_problems(
+        self, request: StepRequest, result: StepResult, log: SessionLog, *, strict: bool
+    ) -> tuple[list[Fail], list[tuple[int, ...]]]:
+        key = (request.epoch, request.step)
+        earlier = log.results.get(key)
+        if earlier is None:
+            raise self._kit_bug(
+                f"the model predicts an idempotent retry of step {key}, but no earlier result is logged"
+            )
+        if result == earlier and not strict:
+            return [], []
+        if result == earlier or key in log.tainted:
+            # The earlier answer may itself be wrong (an injected corruption), and a repeat of
+            # it is no evidence either way: the reference decides.
+            return self._history_problems(request, result, strict=strict)
+        return [Fail("§2 rule 6", f"the earlier result exactly (an idempotent retry): {earlier!r}", repr(result))], []
+
+    def _history_problems(
+        self, request: StepRequest, result: StepResult, *, strict: bool
+    ) -> tuple[list[Fail], list[tuple[int, ...]]]:
+        """Compare the output with the reference for each history it speaks for:
+        each row of a bundle, or the token after the whole history. ``strict`` (an
+        injected corruption is due) lets no near-tie token flip: rounding noise within
+        tolerance is not a detection, a wrong token always is."""
+        session = self.model.sessions[request.session_id]
+        history = flat_history(session)  # ends with this request's input, retried or not
+        count = input_length(request)
+        assert result.output is not None
+        payloads = payloads_of(result.output, count)
+        ends = range(len(history) - count + 1, len(history) + 1) if len(payloads) == count else [len(history)]
+        unreferenced: list[tuple[int, ...]] = []
+        for end, payload in zip(ends, payloads, strict=True):
+            reference = self._reference(request.session_id, session, history[:end])
+            if reference is None:
+                unreferenced.append(history[:end])
+                continue
+            expected, source = reference
+            difference = payload_difference(expected, payload, self.caps.tolerance, near_ties_may_flip=not strict)
+            if difference is not None:
+                after = f"after history {list(history[:end])}"
+                failure = Fail(
+                    "§3 determinism",
+                    f"{show(expected)} {after}, as {source} gave",
+                    show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}",
+                )
+                return [failure], unreferenced
+        return [], unreferenced
+
+    def _reference(self, session_id: str, session: SessionState, key: tuple[int, ...]) -> tuple[Payload, str] | None:
+        known = self.memo.get(key)
+        if known is not None or not self.use_twins:
+            return known
+        try:
+            twin = self.twins.get(session_id)
+            if twin is None or twin.epoch != session.epoch or key[: len(twin.fed)] != twin.fed:
+                twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
+                self.twins[session_id] = twin
+                if twin.pipeline_refused is not None:
+                    self.split_twins = False
+                    self.notes.append(f"composition not checked: {twin.pipeline_refused}")
+            twin.advance(key, self.memo)
+        except OracleFailure as failure:
+            if self.differential:
+                raise self._broken_reference(str(failure)) from None
+            raise Fail(failure.property, "twins that agree", str(failure)) from None
+        except BaseException as error:  # a twin is the same engine: its exceptions are findings too
+            if passes_through(error):
+                raise
+            if self.differential:
+                if isinstance(error, EngineError):
+                    status = error.status
+                    what = f"it refused to load {self.load_request}: {status.code.name} {status.message}"
+                else:
+                    isolation = self.reference.isolation
+                    death = isolation.death(error) if isolation is not None else None
+                    what = f"its process {death.summary}" if death is not None else f"it raised {raised(error)}"
+                raise self._broken_reference(what) from error
+            death = self._death(error)
+            if death is not None:
+                raise self._death_failure(death, "a fresh twin to answer", in_twin=True) from error
+            raise Fail(
+                "unexplained exception", "a fresh twin to answer", f"a fresh twin raised {raised(error)}"
+            ) from error
+        return self.memo.get(key)
+
+    def _broken_reference(self, what: str) -> InvalidTarget:
+        """The reference engine (``reference=``, ``--reference``) failed: not a failure of the
+        engine under test, whose outputs cannot be judged against it."""
+        index, action = self._step
+        message = (
+            f"reference engine {self.reference.name} failed while answering for step {index} "
+            f"({action.describe()}) of {self.target.name}: {what}; the reference must be a correct engine "
+            "that serves the same model: fix it, or fuzz without a reference"
+        )
+        return InvalidTarget(message)

@@ -1,0 +1,222 @@
+"""Second-stage minimisation, by replay without Hypothesis.
+
+After Hypothesis stops, the failing example is replayed without Hypothesis and
+made smaller while the *same* property is still violated:
+
+1. on the drawn choices — delete runs of rules (halves, quarters, … single
+   ones), lower each small integer towards 0, then delete one rule while
+   changing one argument of another to any value (two coordinated edits, for
+   short failures) — re-deriving every concrete step from the model's state, so
+   later steps renumber themselves;
+2. on the concrete steps themselves, the form a trace replays — delete runs
+   again, down to single steps, until no single deletion keeps the failure.
+
+The result is 1-minimal under trace replay by construction, unless the replay
+budget ran out first (``MinimizedFailure.one_minimal`` says which).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.steps import Action
+from shardkit._machine.hypothesis_adapter import integer_range
+from shardkit._machine.state_machine import Choice, FailureReport, RunObserver, ShardMachine, observed
+
+__all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class MinimizedFailure:
+    report: FailureReport
+    replays: int
+    seconds: float
+    one_minimal: bool
+
+
+class _Budget:
+    """A count of replays, never a time: the same failure minimises the same way anywhere."""
+
+    def __init__(self, max_replays: int) -> None:
+        self.max_replays = max_replays
+        self.replays = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.replays >= self.max_replays
+
+
+def replay_actions(
+    machine: type[ShardMachine], failure: FailureReport, actions: Sequence[Action]
+) -> FailureReport | None:
+    """Run ``actions`` on a fresh engine; the failure they end in, if any."""
+    driver = Driver(
+        machine.target,
+        failure.load_request,
+        faults=failure.faults,
+        twins=machine.use_twins,
+        reference=machine.reference,
+        model_factory=machine.model_factory,
+        custom_ops=machine.custom_ops,
+    )
+    for action in actions:
+        try:
+            driver.execute(action)
+        except StepFailed as failed:
+            return FailureReport(failed.violation, list(driver.records), failure.load_request, failure.faults)
+    return None
+
+
+def _replay_choices(
+    machine: type[ShardMachine], failure: FailureReport, choices: Sequence[Choice]
+) -> FailureReport | None:
+    observer = RunObserver()  # minimisation is not part of the run's figures
+    instance = observed(machine, observer)()
+    try:
+        instance.load_engine(layout=failure.layout)
+        for choice in choices:
+            getattr(instance, choice.rule)(**dict(choice.arguments))
+    except StepFailed:
+        return observer.failure
+    return None
+
+
+def _delete_runs(items: list[T], still_fails: Callable[[list[T]], bool], budget: _Budget) -> tuple[list[T], bool]:
+    """Delete runs of halving length, then single items until none can go.
+    Returns the smaller list and whether it is 1-minimal (no single deletion fails)."""
+    chunk = max(len(items) // 2, 1)
+    while True:
+        changed = False
+        start = 0
+        while start < len(items):
+            if budget.exhausted:
+                return items, False
+            candidate = items[:start] + items[start + chunk :]
+            if candidate and still_fails(candidate):
+                items, changed = candidate, True
+            else:
+                start += chunk
+        if chunk == 1 and not changed:
+            return items, True
+        chunk = max(chunk // 2, 1)
+
+
+def _lower_arguments(
+    choices: list[Choice], still_fails: Callable[[list[Choice]], bool], budget: _Budget
+) -> list[Choice]:
+    """Lower each drawn integer to the smallest value that keeps the failure."""
+    changed = True
+    while changed and not budget.exhausted:
+        changed = False
+        for index, choice in enumerate(choices):
+            for position, (name, value) in enumerate(choice.arguments):
+                for smaller in range(value):
+                    if budget.exhausted:
+                        return choices
+                    arguments = list(choice.arguments)
+                    arguments[position] = (name, smaller)
+                    candidate = [*choices[:index], Choice(choice.rule, tuple(arguments)), *choices[index + 1 :]]
+                    if still_fails(candidate):
+                        choices, choice, changed = candidate, candidate[index], True
+                        break
+    return choices
+
+
+#: Delete-and-repair costs about (arguments × values) n² replays; beyond this many steps it is skipped.
+REPAIR_MAX_STEPS = 8
+ArgumentRanges = dict[str, dict[str, range]]
+
+
+def argument_ranges(machine: type[ShardMachine]) -> ArgumentRanges:
+    """Each rule's integer arguments and the values their strategies draw (rules built
+    with ``st.integers(lo, hi)``; anything else is left alone by the repair)."""
+    ranges: ArgumentRanges = {}
+    for attribute in dir(machine):
+        if attribute == "TestCase":
+            continue  # a descriptor that builds a class: no rule
+        function = getattr(machine, attribute, None)
+        strategies = getattr(function, "step_rule_arguments", None)
+        if not isinstance(strategies, dict):
+            continue
+        for name, strategy in strategies.items():
+            values = integer_range(strategy)
+            if values is not None:
+                ranges.setdefault(getattr(function, "__name__", attribute), {})[name] = values
+    return ranges
+
+
+def _delete_and_repair(
+    choices: list[Choice], still_fails: Callable[[list[Choice]], bool], budget: _Budget, ranges: ArgumentRanges
+) -> list[Choice]:
+    """Delete one step, then change one argument of one remaining step to any value: a
+    shorter failure that needs two coordinated edits (drop a fault, lengthen a chunk)."""
+    improved = True
+    while improved and len(choices) <= REPAIR_MAX_STEPS and not budget.exhausted:
+        improved = False
+        for removed in range(len(choices)):
+            rest = choices[:removed] + choices[removed + 1 :]
+            for index, choice in enumerate(rest):
+                for position, (name, value) in enumerate(choice.arguments):
+                    for other in ranges.get(choice.rule, {}).get(name, ()):
+                        if other == value:
+                            continue
+                        if budget.exhausted:
+                            return choices
+                        arguments = list(choice.arguments)
+                        arguments[position] = (name, other)
+                        candidate = [*rest[:index], Choice(choice.rule, tuple(arguments)), *rest[index + 1 :]]
+                        if still_fails(candidate):
+                            choices, improved = candidate, True
+                            break
+                    if improved:
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return choices
+
+
+def minimize_failure(
+    machine: type[ShardMachine], failure: FailureReport, *, max_replays: int = 5000
+) -> MinimizedFailure:
+    """The smallest failure of the same property that replay can reach from ``failure``
+    within ``max_replays`` replays (``seconds`` is measured for reports only)."""
+    started = time.monotonic()
+    budget = _Budget(max_replays)
+    target = failure.violation.property
+    best = failure
+
+    def same_failure(found: FailureReport | None) -> bool:
+        """Whether a replay still violates the same property; keeps the shortest one."""
+        nonlocal best
+        budget.replays += 1
+        if found is None or found.violation.property != target:
+            return False
+        if len(found.records) <= len(best.records):
+            best = found
+        return True
+
+    def choices_fail(choices: list[Choice]) -> bool:
+        return same_failure(_replay_choices(machine, failure, choices))
+
+    def actions_fail(actions: list[Action]) -> bool:
+        return same_failure(replay_actions(machine, failure, actions))
+
+    if failure.choices and choices_fail(list(failure.choices)):
+        choices, _ = _delete_runs(list(failure.choices), choices_fail, budget)
+        choices = _lower_arguments(choices, choices_fail, budget)
+        choices = _delete_and_repair(choices, choices_fail, budget, argument_ranges(machine))
+        _lower_arguments(choices, choices_fail, budget)
+
+    one_minimal = False
+    actions = [record.action for record in best.records]
+    if actions_fail(actions):
+        _, one_minimal = _delete_runs(actions, actions_fail, budget)
+    return MinimizedFailure(best, budget.replays, time.monotonic() - started, one_minimal)

@@ -1,0 +1,467 @@
+"""The Hypothesis state machine: draws steps, hands them to the driver.
+
+Every rule draws at most three small integers, with 0 the simplest choice,
+and derives the concrete step from them and the model's state at run time
+(which live session, which chunk, which epoch). That keeps each step a few
+choices long, so Hypothesis's shrinker can delete whole steps (docs/extending.md).
+
+This module owns the machine: ``ShardMachine`` and its rules, ``step_rule``, the fault
+rule, and what a run observes of it. Building a machine for an engine (``build_machine``)
+is ``shardkit._machine.build``'s, which imports this module; this one never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import unittest
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol
+
+from hypothesis import event, reject, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from hypothesis.strategies import SearchStrategy
+
+from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
+from shardkit._core.model import ReferenceModel, SessionState
+from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, malformations_for, step_action
+from shardkit._core.targets import ResolvedTarget
+from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
+from shardkit._machine.hypothesis_adapter import stop_hypothesis
+from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
+from shardkit.errors import UsageError
+
+__all__ = [
+    "Choice",
+    "FailureReport",
+    "MachineSetup",
+    "RunObserver",
+    "ShardMachine",
+    "SuiteRunner",
+    "coverage_op",
+    "inject_fault",
+    "layer_range",
+    "observed",
+    "step_rule",
+]
+
+#: Realistic ids: short and long, non-ASCII, sharing prefixes, with separators.
+SESSION_IDS = ("a", "b", "req-0001", "req-0001/retry", "sess-é-日本語", "x" * 200, "a b", "req-00010")
+CHUNK_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 64)
+LIVE_CHOICES = 6
+EPOCH_JUMPS = (1, 2, 1000, 2**62)
+STEP_DELTAS = (1, 2, -2, 2**62)
+DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
+
+@dataclass(frozen=True)
+class Choice:
+    """One rule as Hypothesis drew it: the rule's name and its small integers."""
+
+    rule: str
+    arguments: tuple[tuple[str, int], ...]
+
+    def describe(self) -> str:
+        return f"{self.rule}({', '.join(f'{name}={value}' for name, value in self.arguments)})"
+
+
+@dataclass
+class FailureReport:
+    """A failing example: its violation, the steps the driver recorded, and the
+    drawn choices (layout and rules) that replay it without Hypothesis."""
+
+    violation: Violation
+    records: list[StepRecord]
+    load_request: LoadRequest
+    faults: frozenset[str]
+    layout: int = 0
+    choices: tuple[Choice, ...] = ()
+
+
+def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Hypothesis's ``@rule`` for a ``ShardMachine`` subclass, which also records the drawn
+    arguments so the kit's minimiser can replay the rule without Hypothesis.
+
+    Use it for every rule you add (see docs/extending.md). Give each argument a strategy of
+    small integers, at most three per rule, where 0 is the simplest choice (e.g.
+    ``session=st.integers(0, 7)``), and derive the concrete step from them and the model's
+    state when the rule runs (``self.session_id(session)``, ``self.sessions``): a step
+    then stays a few choices long, so Hypothesis's shrinker can delete whole steps and
+    lower the rest towards 0, and a trace of the step replays without the strategies."""
+
+    def decorate(function: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(function)
+        def record_then_run(self: ShardMachine, **arguments: int) -> None:
+            self.choices.append(Choice(function.__name__, tuple(arguments.items())))
+            function(self, **arguments)
+
+        # The minimiser reads the strategies here, not from Hypothesis's private rule records.
+        record_then_run.step_rule_arguments = dict(strategies)  # type: ignore[attr-defined]
+        decorated: Callable[..., None] = rule(**strategies)(record_then_run)  # type: ignore[call-overload]
+        return decorated
+
+    return decorate
+
+
+@dataclass
+class RunObserver:
+    """What one run counts and how it is told about its examples: the runner makes one per
+    run and hands it to a subclass of the machine made for that run (``observed``), so no
+    two runs share counters and nothing is configured by mutating a shared class."""
+
+    examples: int = 0
+    steps: int = 0
+    failures_seen: int = 0
+    coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
+    failure: FailureReport | None = None
+    #: Called with each failing example as it happens (the runner writes its trace).
+    on_failure: Callable[[FailureReport], object] | None = None
+    #: Called as each example starts with (examples, steps, failures seen).
+    on_example: Callable[[int, int, int], object] | None = None
+    #: The failing example with the fewest steps so far.
+    shortest: FailureReport | None = None
+    #: Once ``steps`` passes this count, stop Hypothesis's shrinking: the replay minimiser takes
+    #: over. A count of steps, never a time, so the same seed shrinks the same way on any machine.
+    shrink_stop_at_step: int | None = None
+    #: Likewise once ``examples`` passes this count (rules that make no step still cost examples).
+    shrink_stop_at_example: int | None = None
+    #: When set, a failure of any other property does not count (iterative deepening looks
+    #: for a shorter failure of one property): the example is rejected instead.
+    only_property: str | None = None
+
+
+def observed(machine: type[ShardMachine], observer: RunObserver) -> type[ShardMachine]:
+    """``machine`` for one run, reporting to ``observer``. The subclass keeps the machine's
+    name, so its identity (trace names, example-database keys) is the machine's."""
+    return type(machine.__name__, (machine,), {"observer": observer, "__qualname__": machine.__qualname__})
+
+
+def coverage_op(action: Action) -> str:
+    """The operation a step exercises: a call to a never-loaded engine counts as that call."""
+    return str(action.args["call"]) if action.op == "unloaded" else action.op
+
+
+def layer_range(role: Role, total_layers: int, choice: int) -> tuple[int, int]:
+    """A layer range of ``role``, the ``choice``-th of those that exist (0 = the widest)."""
+    last = total_layers - 1
+    if role == "full":
+        return 0, last
+    if role == "head":
+        return 0, last - 1 - choice % last
+    if role == "tail":
+        return 1 + choice % last, last
+    pairs = [(start, end) for start in range(1, last) for end in range(last - 1, start - 1, -1)]
+    return pairs[choice % len(pairs)]
+
+
+SuiteRunner = Callable[["type[ShardMachine]", "unittest.TestCase"], None]
+
+
+class MachineSetup(Protocol):
+    """What a machine learns from its engine on first use (``ShardMachine.setup``): the values
+    of its prepared attributes by name. ``shardkit._machine.build`` makes it; the machine
+    only asks for the values, so this module never imports the one that builds machines."""
+
+    def values(self) -> Mapping[str, Any]: ...
+
+
+class SuiteTestCase:
+    """``Machine.TestCase``: a ``unittest.TestCase`` whose test runs ``suite_runner`` on the
+    machine. One class per machine, made on first use, so ``Machine.TestCase.settings = …``
+    sticks; it runs under the ``shardkit-ci`` profile unless a profile is loaded
+    (``--hypothesis-profile``) or ``settings`` is set on it."""
+
+    def __get__(self, instance: object, owner: type[ShardMachine]) -> type[unittest.TestCase]:
+        made: type[unittest.TestCase] | None = owner.__dict__.get("_suite_test_case")
+        if made is None:
+            made = _suite_test_case(owner)
+            type.__setattr__(owner, "_suite_test_case", made)
+        return made
+
+
+def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
+    class ShardMachineTestCase(unittest.TestCase):
+        settings: settings | None = None
+        #: Set by the pytest plugin from its command-line options before the test runs.
+        shardkit_overrides: object = None
+
+        def runTest(self) -> None:
+            __tracebackhide__ = True
+            runner = machine.suite_runner
+            if runner is None:
+                message = (
+                    f"{machine.__name__} has no engine to run: build the machine with "
+                    "shardkit.machine_for(TARGET, base=...) and collect that class's TestCase"
+                )
+                raise UsageError(message)
+            runner(machine, self)
+
+        runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
+
+    ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
+    ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
+    return ShardMachineTestCase
+
+
+class ShardMachine(RuleBasedStateMachine):
+    """Base of every machine ``machine_for`` builds; subclass it to add rules."""
+
+    target: ClassVar[ResolvedTarget]
+    role: ClassVar[Role | None] = None
+    fault_kinds: ClassVar[frozenset[str]] = frozenset()
+    use_twins: ClassVar[bool] = True
+    reference: ClassVar[ResolvedTarget | None] = None
+    model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel
+    #: Operations a backend adds; subclasses list them here (see CustomOp).
+    custom_ops: ClassVar[Mapping[str, CustomOp]] = {}
+    total_layers: ClassVar[int] = 1
+    roles: ClassVar[tuple[Role, ...]] = ("full",)
+    #: The run this machine reports to; ``observed`` sets it for each run. Without one (a
+    #: machine run by Hypothesis directly), each example counts on its own.
+    observer: ClassVar[RunObserver | None] = None
+    #: What its pytest ``TestCase`` runs: ``machine_for`` sets the kit's run (Hypothesis, then
+    #: minimisation by replay, then the trace and regression test on disk).
+    suite_runner: ClassVar[SuiteRunner | None] = None
+    #: pytest's ``TestCase`` for the machine (collect it as ``TestMyEngine = Machine.TestCase``).
+    TestCase = SuiteTestCase()  # type: ignore[assignment]  # Hypothesis types its own TestCase class; ours runs the kit's run
+
+    driver: Driver
+    #: The options machine_for built this class with, so pytest can rebuild it for another engine.
+    build_options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    #: What the machine learns from its engine on first use (see ``prepare``).
+    setup: ClassVar[MachineSetup]
+
+    @classmethod
+    def prepare(cls) -> type[ShardMachine]:
+        """Meet the engine now: resolve the target (start an isolated target's workers), read
+        its capabilities, and check the role and faults asked for against it. A run does it
+        on first use; call it to report an option the engine cannot honour early. Returns
+        the machine."""
+        if "setup" not in dir(cls):
+            message = f"{cls.__name__} has no engine: build it with shardkit.machine_for(TARGET, base=...)"
+            raise UsageError(message)
+        cls.setup.values()
+        return cls
+
+    @property
+    def stats(self) -> RunObserver:
+        """The observer this example reports to."""
+        observer = type(self).observer
+        if observer is None:
+            observer = self.__dict__.setdefault("_own_observer", RunObserver())
+        return observer
+
+    @initialize(layout=st.integers(0, 15))
+    def load_engine(self, layout: int) -> None:
+        self.layout = layout
+        self.choices: list[Choice] = []
+        roles = self.roles if self.role is None else (self.role,)
+        role = roles[layout % len(roles)]
+        start, end = layer_range(role, self.total_layers, layout // len(roles))
+        request = LoadRequest("shardkit-fuzz", start, end, self.total_layers)
+        self.driver = Driver(
+            self.target,
+            request,
+            faults=self.fault_kinds,
+            twins=self.use_twins,
+            reference=self.reference,
+            model_factory=type(self).model_factory,
+            custom_ops=self.custom_ops,
+        )
+        self.stats.examples += 1
+        if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
+            stop_hypothesis()
+        if self.stats.on_example is not None:
+            self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
+
+    def teardown(self) -> None:
+        """Let go of the engines, twins and memo as soon as the example ends: Hypothesis keeps
+        recent machine instances reachable from its strategy cache, and a run's memory must
+        not grow with its number of examples. Subclasses that override it call ``super()``."""
+        self.__dict__.pop("driver", None)
+
+    # --- helpers rules share -----------------------------------------------------------
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The loaded engine's capabilities, as it reported them right after ``load`` (the
+        driver keeps them; after an injected crash, the restarted engine's). A
+        memory_pressure fault lowers the token limit the model enforces later
+        (``ReferenceModel.max_kv_tokens``), not ``max_kv_tokens`` here."""
+        return self.driver.caps
+
+    @property
+    def sessions(self) -> Mapping[str, SessionState]:
+        """The model's sessions, by id, oldest first: a read-only view for rules to read
+        (their state changes only through steps)."""
+        return MappingProxyType(self.driver.model.sessions)
+
+
+    def run(self, action: Action) -> StepRecord:
+        """Execute ``action``, counting coverage and keeping the failure, if any."""
+        stats = self.stats
+        if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
+            stop_hypothesis()
+        stats.steps += 1
+        try:
+            record = self.driver.execute(action)
+        except StepFailed as failure:
+            if stats.only_property is not None and failure.violation.property != stats.only_property:
+                reject()
+            stats.coverage[(coverage_op(action), "FAILED")] += 1
+            stats.failure = FailureReport(
+                failure.violation,
+                list(self.driver.records),
+                self.driver.load_request,
+                self.fault_kinds,
+                self.layout,
+                tuple(self.choices),
+            )
+            stats.failures_seen += 1
+            if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
+                stats.shortest = stats.failure
+            if stats.on_failure is not None:
+                stats.on_failure(stats.failure)
+            raise
+        stats.coverage[(coverage_op(action), record.outcome)] += 1
+        if currently_in_test_context():
+            event(f"{coverage_op(action)}→{record.outcome}")
+        return record
+
+    def session_id(self, choice: int) -> str:
+        """Choices 0-5 pick a live session (0 is the oldest), 6-7 an id the engine does
+        not know; with no live session every choice names an unknown id, 0 the first."""
+        live = list(self.driver.model.sessions)
+        unknown = [session for session in SESSION_IDS if session not in live]
+        if live and choice < LIVE_CHOICES:
+            return live[choice % len(live)]
+        return unknown[max(choice - LIVE_CHOICES, 0) % len(unknown) if live else choice % len(unknown)]
+
+    def position(self, session_id: str) -> tuple[int, int]:
+        """(epoch, next step) of a session, or (0, 0) for an unknown id."""
+        session = self.driver.model.sessions.get(session_id)
+        return (session.epoch, session.next_step) if session is not None else (0, 0)
+
+    def chunk(self, code: int) -> tuple[int, ...]:
+        """One integer names a chunk: its length, and tokens from the low or high end of the vocabulary."""
+        vocab = self.driver.caps.vocab_size
+        length = CHUNK_LENGTHS[code % len(CHUNK_LENGTHS)]
+        if code // len(CHUNK_LENGTHS) == 0:
+            return tuple(index * 3 % vocab for index in range(length))
+        return tuple((vocab - 1 - index * 5) % vocab for index in range(length))
+
+    def token(self, code: int) -> int:
+        vocab = self.driver.caps.vocab_size
+        return (0, vocab - 1, 1, 2, 3, 5, 8, 13)[code % 8] % vocab
+
+    # --- session rules -------------------------------------------------------------------
+
+    @step_rule(session=st.integers(0, 7), chunk=st.integers(0, 15))
+    def prefill(self, session: int, chunk: int) -> None:
+        """Prefill the next chunk (opening an unknown id at epoch 0)."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        self.run(step_action("prefill", sid, epoch, step, self.chunk(chunk)))
+
+    @step_rule(session=st.integers(0, 7), token=st.integers(0, 7))
+    def decode(self, session: int, token: int) -> None:
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        self.run(step_action("decode", sid, epoch, step, (self.token(token),)))
+
+    @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))
+    def resend(self, session: int, back: int) -> None:
+        """Send an earlier request again exactly, as a network duplicate would (0 = the last one)."""
+        sent = self.driver.log(self.session_id(session)).sent
+        if sent:
+            earlier = sent[-1 - back % len(sent)]
+            self.run(Action(earlier.op, earlier.args, note="resent"))
+
+    @step_rule(session=st.integers(0, 7), jump=st.integers(0, 3), chunk=st.integers(0, 15))
+    def restart(self, session: int, jump: int, chunk: int) -> None:
+        """Prefill step 0 at a higher epoch (an unknown id opens there)."""
+        sid = self.session_id(session)
+        known = sid in self.driver.model.sessions
+        epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else EPOCH_JUMPS[jump]
+        note = "epoch bump" if known else "opens at a higher epoch"
+        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk), note=note))
+
+    @step_rule(session=st.integers(0, 7), higher=st.integers(0, 1), op=st.integers(0, 1))
+    def wrong_epoch(self, session: int, higher: int, op: int) -> None:
+        """Prefill or decode at the next step but an epoch below (stale) or above the
+        session's; a stale request at epoch 0 cannot exist, so it goes above instead."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        if higher or epoch == 0:
+            epoch, note = min(epoch + 1, EPOCH_STEP_LIMIT - 1), "epoch ahead"
+        else:
+            epoch, note = epoch - 1, "stale epoch"
+        self.run(step_action(("prefill", "decode")[op], sid, epoch, step, (self.token(0),), note=note))
+
+    @step_rule(session=st.integers(0, 7), epoch_choice=st.integers(0, 3))
+    def cancel(self, session: int, epoch_choice: int) -> None:
+        """Cancel at the session's epoch, one below (maybe -1), one above, or with an empty id."""
+        sid = self.session_id(session)
+        epoch = self.position(sid)[0] + (0, -1, 1, 0)[epoch_choice]
+        self.run(Action("cancel", {"session": "" if epoch_choice == 3 else sid, "epoch": epoch}))
+
+    @step_rule(session=st.integers(0, 7))
+    def release(self, session: int) -> None:
+        self.run(Action("release", {"session": self.session_id(session)}))
+
+    @step_rule(session=st.integers(0, 7), delta=st.integers(0, 3), op=st.integers(0, 1))
+    def misstep(self, session: int, delta: int, op: int) -> None:
+        """A request whose step skips ahead or goes back."""
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        target_step = min(max(0, step + STEP_DELTAS[delta]), EPOCH_STEP_LIMIT - 1)
+        self.run(step_action(("prefill", "decode")[op], sid, epoch, target_step, (self.token(0),), note="out of order"))
+
+    @step_rule(session=st.integers(0, 7), kind=st.integers(0, 15), op=st.integers(0, 1))
+    def malformed(self, session: int, kind: int, op: int) -> None:
+        """A request that breaks one clause of §2 rule 2."""
+        names = malformations_for(self.driver.caps)
+        sid = self.session_id(session)
+        epoch, step = self.position(sid)
+        name = ("prefill", "decode")[op]
+        self.run(step_action(name, sid, epoch, step, (self.token(0),), malformed=names[kind % len(names)]))
+
+    @step_rule(call=st.integers(0, 5))
+    def probe(self, call: int) -> None:
+        """health() of the engine (0), or a call to a fresh engine never loaded: rule 1."""
+        if call == 0:
+            self.run(Action("health"))
+            return
+        name = BEFORE_LOAD_CALLS[call - 1]
+        args: dict[str, Any] = {"call": name, "session": "a"}
+        if name in ("prefill", "decode"):
+            args.update(epoch=0, step=0, tokens=(0,))
+        self.run(Action("unloaded", args))
+
+
+# --- the fault rule, added to a machine only when it injects some kind -------------------
+
+
+@step_rule(kind=st.integers(0, 3), value=st.integers(0, 15))
+def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
+    """One rule for every fault kind, so faults stay a small share of the steps.
+
+    ``value`` is relative to the model's state where that matters: memory
+    pressure lowers the limit to the tokens in use plus ``value % 4`` (never raises it).
+    """
+    kinds = [name for name in FAULT_KINDS if name in self.fault_kinds]
+    chosen = kinds[kind % len(kinds)]
+    if chosen == "delay":
+        amount = DELAYS[value % len(DELAYS)]
+    elif chosen == "memory_pressure":
+        model = self.driver.model
+        # A few tokens of headroom at most: pressure that bites soon is the interesting kind.
+        amount = float(min(model.max_kv_tokens, model.kv_tokens + value % 4))
+    elif chosen == "crash":
+        amount = float(value % 4 + 1)
+    else:
+        amount = 0.0
+    self.run(Action("fault", {"kind": chosen, "value": amount}))

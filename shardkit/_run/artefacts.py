@@ -1,0 +1,194 @@
+"""What a run leaves behind, keyed by the engine it ran: trace files, regression tests
+and the example database.
+
+While Hypothesis runs, the shortest failure seen so far is kept on disk as
+``…-in-progress.json``, so even a killed run leaves a trace; at the end the reported
+failure's trace and regression test replace it. File names and the example database's
+keys both derive from ``machine_identity``, so two engines or two configurations never
+share a file or replay each other's saved examples. Kept apart from
+``shardkit._run.runner``, which decides *what* failed and how short it gets: this module
+decides only where that lands on disk and under which name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hypothesis import settings
+from hypothesis.database import ExampleDatabase
+
+from shardkit._core.model import ReferenceModel
+from shardkit._core.targets import short_name
+from shardkit._machine.profiles import time_independent
+from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._run.regression import regression_test_source
+from shardkit._run.trace import trace_document, write_atomically
+
+__all__ = ["Artefacts", "machine_identity", "run_settings_for"]
+
+
+def machine_identity(machine: type[ShardMachine]) -> str:
+    """What makes two runs' failures comparable: the engine (a file target by its absolute
+    path), the machine and model classes, and the options that change what is generated.
+    Trace names and the example database's keys derive from it, so two engines never
+    share a file or replay each other's saved examples."""
+    target = machine.target.name
+    module_part, colon, attr = target.rpartition(":")
+    if colon and module_part.endswith(".py"):
+        target = f"{Path(module_part).resolve()}:{attr}"
+    options = machine.build_options
+    base = options.get("base", ShardMachine)
+    model = options.get("model", ReferenceModel)
+    reference = machine.reference.name if machine.reference is not None else None
+    parts = [
+        target,
+        f"role={machine.role or 'any'}",
+        f"faults={','.join(sorted(machine.fault_kinds))}",
+        f"twins={machine.use_twins}",
+        f"reference={reference}",
+        f"machine={getattr(base, '__module__', '?')}:{getattr(base, '__qualname__', base)}",
+        f"model={getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', model)}",
+    ]
+    return "\n".join(parts)
+
+
+def _digest(text: str, length: int = 8) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+
+
+class Artefacts:
+    """Writes the trace and the regression test of the best failure seen so far.
+
+    File names carry the engine, the role asked for, the seed and a digest of the
+    machine's identity, so two engines or two configurations never share a name; a
+    file that already holds a *different* failure is never overwritten (a suffix is
+    added). A write that fails is remembered, not raised: the failure is still reported.
+    """
+
+    def __init__(self, machine: type[ShardMachine], out: Path | None, seed: int | None) -> None:
+        self.machine = machine
+        self.out = out
+        self.seed = seed
+        self.shortest: int | None = None  # steps of the in-progress trace on disk
+        self.write_error: str | None = None
+        self._label = self._make_label()
+
+    def _make_label(self) -> str:
+        engine = _slug(short_name(self.machine.target.name)) or "engine"
+        run = f"seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
+        return f"{engine}-{self.machine.role or 'any'}-{run}-{_digest(machine_identity(self.machine))}"
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    def in_progress(self) -> Path:
+        assert self.out is not None
+        return self.out / f"{self.label}-in-progress.json"
+
+    def offer(self, failure: FailureReport) -> None:
+        """Keep the shortest failure seen so far on disk while the run goes on."""
+        if self.out is None or (self.shortest is not None and self.shortest <= len(failure.records)):
+            return
+        try:
+            write_atomically(self.in_progress(), self._document(failure))
+        except OSError as error:
+            self.write_error = f"could not write {self.in_progress()}: {error.strerror or error}"
+            return
+        self.shortest = len(failure.records)
+
+    def final(self, failure: FailureReport) -> tuple[Path, Path] | None:
+        """Write the reported failure's trace and regression test; drop the in-progress file
+        once they are safely on disk. None when there is no folder or the write failed."""
+        if self.out is None:
+            return None
+        document = self._document(failure)
+        stem = f"{self.label}-{failure.load_request.role}-{_slug(failure.violation.property)}"
+        try:
+            trace_path = self._free_path(stem, document)
+            test_path = trace_path.with_name(f"test_{trace_path.stem.replace('-', '_')}.py")
+            write_atomically(trace_path, document)
+            write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        except OSError as error:
+            where = error.filename or self.out
+            self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
+            return None
+        self.in_progress().unlink(missing_ok=True)
+        return trace_path, test_path
+
+    def _free_path(self, stem: str, document: dict[str, Any]) -> Path:
+        """``stem.json``, unless that file holds another failure: then ``stem-2.json``, …"""
+        assert self.out is not None
+        for attempt in range(1, 10_000):
+            path = self.out / (f"{stem}.json" if attempt == 1 else f"{stem}-{attempt}.json")
+            if not path.exists() or _same_failure(path, document):
+                return path
+        message = f"{self.out} already holds 10 000 traces named {stem}-N.json; clear it out"
+        raise OSError(message)
+
+    def _document(self, failure: FailureReport) -> dict[str, Any]:
+        return trace_document(
+            target=self.machine.target.name,
+            load_request=failure.load_request,
+            faults=failure.faults,
+            records=failure.records,
+            violation=failure.violation,
+            seed=self.seed,
+            twins=self.machine.use_twins,
+            reference=self.machine.reference.name if self.machine.reference is not None else None,
+            isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
+            machine=self.machine,
+        )
+
+
+def _same_failure(path: Path, document: dict[str, Any]) -> bool:
+    """Whether the trace at ``path`` records the same steps and failure as ``document``."""
+    try:
+        existing = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    ours = json.loads(json.dumps(document, ensure_ascii=False))
+    keys = ("target", "load_request", "steps", "failure")
+    return isinstance(existing, dict) and all(existing.get(key) == ours.get(key) for key in keys)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+class _EngineKeyedDatabase(ExampleDatabase):
+    """The user's example database, with every key prefixed by the machine's identity,
+    so an example saved while fuzzing one engine is never replayed against another."""
+
+    def __init__(self, inner: ExampleDatabase, identity: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.prefix = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).digest()[:16]
+
+    def __repr__(self) -> str:
+        return f"EngineKeyed({self.inner!r})"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(self.prefix + src, self.prefix + dest, value)
+
+
+def run_settings_for(machine: type[ShardMachine], base: settings) -> settings:
+    """``base`` made independent of the clock, its database keyed to this machine."""
+    run_settings = time_independent(base)
+    if run_settings.database is not None and not isinstance(run_settings.database, _EngineKeyedDatabase):
+        run_settings = settings(run_settings, database=_EngineKeyedDatabase(run_settings.database, machine_identity(machine)))
+    return run_settings

@@ -1,0 +1,154 @@
+"""``FuzzOptions``: what a fuzz run does, validated once. The CLI, ``fuzz`` and the printed
+rerun command read it, so each default and each check is written here and nowhere else."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from shardkit._core.model import ReferenceModel
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
+from shardkit._machine.build import parse_faults
+from shardkit._machine.state_machine import ShardMachine
+from shardkit.contract import FAULT_KINDS, ROLES, Role
+from shardkit.errors import UsageError
+
+__all__ = ["DEFAULT_BUDGETS", "Budgets", "FuzzOptions"]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """How much work a run may spend, in counts, never in seconds: the same seed then
+    reports the same failure on an idle laptop and on a loaded CI machine.
+
+    ``single_run_examples`` and ``chunk_examples``: a run of at most
+    ``single_run_examples`` is one Hypothesis run; a longer one is a series of Hypothesis
+    runs of at most ``chunk_examples`` each, seeded from the run's seed, so memory stays
+    flat however many examples are asked for (Hypothesis's bookkeeping of one run grows
+    with its examples). ``shrink_steps`` and ``shrink_examples``: steps and examples
+    Hypothesis's shrinker may run after the first failure before the replay minimiser
+    takes over, whichever runs out first. ``minimize_replays``: replays the minimiser
+    may make. ``deepening_examples``: examples of each search for a shorter failure
+    (iterative deepening).
+    """
+
+    single_run_examples: int = 200
+    chunk_examples: int = 100
+    shrink_steps: int = 30_000
+    shrink_examples: int = 3_000
+    minimize_replays: int = 5_000
+    deepening_examples: int = 200
+
+
+DEFAULT_BUDGETS = Budgets()
+
+
+@dataclass(frozen=True)
+class FuzzOptions:
+    """The options of one ``fuzz`` run (the CLI's ``shardkit fuzz`` options, by the same
+    names). Invalid values raise ``UsageError`` naming the option and the fix.
+
+    ``role``: "head", "middle", "tail", "full", or None/"any" to draw one per example.
+    ``faults``: "all", "none", or kinds ("delay,crash" or a list); True and False mean
+    "all" and "none". ``reference`` builds the twin oracle from another engine. ``isolate``
+    runs each engine in a worker process whose calls get ``step_timeout`` seconds and
+    whose memory ``worker_memory_mb`` limits. ``model`` and ``base`` extend the rules
+    (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
+    the work by counts.
+    """
+
+    examples: int = 200
+    steps: int = 50
+    role: Role | None = None
+    faults: str = "all"
+    twins: bool = True
+    reference: str | EngineFactory | ResolvedTarget | None = None
+    isolate: bool | IsolationOptions = False
+    step_timeout: float | None = None
+    worker_memory_mb: int | None = None
+    model: Callable[[], ReferenceModel] = ReferenceModel
+    base: type[ShardMachine] = ShardMachine
+    minimize: bool = True
+    budgets: Budgets = DEFAULT_BUDGETS
+
+    def __post_init__(self) -> None:
+        for name in ("examples", "steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                message = f"{name} (--{name}) must be a positive integer, got {value!r}"
+                raise UsageError(message)
+        role: Any = self.role
+        if role == "any":
+            object.__setattr__(self, "role", None)
+        elif role is not None and role not in ROLES:
+            message = f"role (--role) must be one of {', '.join(ROLES)} or 'any', got {role!r}"
+            raise UsageError(message)
+        object.__setattr__(self, "faults", _canonical_faults(self.faults))
+        check_step_timeout(self.step_timeout)
+        memory = self.worker_memory_mb
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+            message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
+            raise UsageError(message)
+
+    @classmethod
+    def from_fields(cls, options: FuzzOptions | None, changes: dict[str, Any]) -> FuzzOptions:
+        """``options`` (or the defaults) with ``changes``; an unknown name is a UsageError."""
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            message = f"unknown fuzz option(s) {', '.join(unknown)}; the options are: {', '.join(sorted(known))}"
+            raise UsageError(message)
+        return replace(options if options is not None else cls(), **changes)
+
+    def machine_options(self) -> dict[str, Any]:
+        """The keyword arguments ``machine_for`` takes from these options."""
+        return {
+            "role": self.role,
+            "faults": self.faults,
+            "twins": self.twins,
+            "reference": self.reference,
+            "model": self.model,
+            "base": self.base,
+            "isolate": self.isolate,
+            "step_timeout": self.step_timeout,
+            "worker_memory_mb": self.worker_memory_mb,
+        }
+
+    def command(self, target: str, seed: int, reference: str | None, isolation: IsolationOptions | None) -> str:
+        """The ``shardkit fuzz`` command line of this run: the options that differ from the
+        defaults. ``reference`` is the resolved reference engine's name and ``isolation``
+        the isolation the run used, if any."""
+        defaults = FuzzOptions()
+        parts = ["shardkit", "fuzz", shlex.quote(target), "--seed", str(seed)]
+        if self.role is not None:
+            parts += ["--role", self.role]
+        if self.examples != defaults.examples:
+            parts += ["--examples", str(self.examples)]
+        if self.steps != defaults.steps:
+            parts += ["--steps", str(self.steps)]
+        if self.faults != defaults.faults:
+            parts += ["--faults", self.faults]
+        if not self.twins:
+            parts.append("--no-twins")
+        if reference is not None:
+            parts += ["--reference", shlex.quote(reference)]
+        if isolation is not None:
+            parts += isolation.command_options()
+        elif self.step_timeout is not None:
+            parts += ["--step-timeout", f"{self.step_timeout:g}"]
+        return " ".join(parts)
+
+def _canonical_faults(faults: bool | str | Iterable[str]) -> str:
+    """"all", "none", or the kinds in the contract's order joined by commas."""
+    try:
+        kinds = parse_faults(faults)
+    except ValueError:
+        message = f"faults (--faults) must be 'all', 'none' or a comma-separated list of {', '.join(FAULT_KINDS)}, got {faults!r}"
+        raise UsageError(message) from None
+    if faults is True or faults == "all":
+        return "all"
+    if not kinds:
+        return "none"
+    return ",".join(kind for kind in FAULT_KINDS if kind in kinds)

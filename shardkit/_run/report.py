@@ -1,0 +1,158 @@
+"""Output of a fuzzing run: the human-readable summary, coverage table and failure, and the
+``--report`` JSON document."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from shardkit._core.driver import StepRecord
+from shardkit._core.properties import read_more
+from shardkit._run.result import FuzzResult
+from shardkit._version import __version__
+
+__all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure", "report_document"]
+
+
+def coverage_table(result: FuzzResult) -> str:
+    """(operation, outcome) counts, one operation per line."""
+    by_op: dict[str, dict[str, int]] = {}
+    for (op, outcome), count in sorted(result.coverage.items()):
+        by_op.setdefault(op, {})[outcome] = count
+    width = max((len(op) for op in by_op), default=0)
+    lines = []
+    for op, outcomes in by_op.items():
+        cells = "  ".join(f"{outcome}={count}" for outcome, count in outcomes.items())
+        lines.append(f"  {op:<{width}}  {cells}")
+    return "\n".join(lines)
+
+
+def failure_lines(property_label: str, records: Sequence[StepRecord], message: str) -> list[str]:
+    """The failing sequence as fuzz and replay print it: every step but the last with what
+    the engine answered, the last one's expected and observed, and where the property is
+    explained."""
+    lines = [f"FAILURE ({property_label}) in {len(records)} steps:"]
+    lines += [f"  step {r.index}: {r.action.describe()}  → {r.observed}" for r in records[:-1]]
+    lines += [f"  {line}" for line in message.splitlines()]
+    where = read_more(property_label)
+    if where is not None:
+        lines.append(f"  (what {property_label} requires: {where} in shardkit's documentation)")
+    return lines
+
+
+def render_failure(result: FuzzResult) -> str:
+    """The minimal steps, expected vs observed, and every way to rerun the failure."""
+    failure = result.failure
+    assert failure is not None
+    lines = failure_lines(failure.violation.property, failure.records, failure.violation.message)
+    if result.interrupted:
+        lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
+    elif result.minimized is not None and result.hypothesis_failure is not None:
+        before = len(result.hypothesis_failure.records)
+        state = "1-minimal" if result.minimized.one_minimal else "not proven 1-minimal (replay budget ran out)"
+        lines.append(f"(Hypothesis shrank it to {before} steps, replay to {len(failure.records)}; {state})")
+    lines.append("reproduce:")
+    # Quoted for the shell, so that they run as printed from a folder whose name has a space.
+    blocker = _needs_python(result.trace_path) if result.trace_path is not None else None
+    if blocker is not None:
+        lines.append(f"  this failure:    cannot be replayed from the command line or as a generated test: {blocker}")
+        lines.append(f"                   (trace: {shlex.quote(str(result.trace_path))})")
+    else:
+        if result.trace_path is not None:
+            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}")
+        if result.regression_path is not None:
+            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}")
+    if result.rerun_command:
+        lines.append(f"  the whole run:   {result.rerun_command}")
+    if result.blob is not None:
+        lines.append(f"  hypothesis blob: {result.blob}")
+    return "\n".join(lines)
+
+
+def counts_line(result: FuzzResult) -> str:
+    """What was run, saying what each figure counts: examples until the failure and while
+    shrinking it, or, without a failure, the ones ``--examples`` counts and those Hypothesis
+    discarded; a step is one engine call or fault injection."""
+    total_steps = result.steps + result.shrink_steps
+    rate = total_steps / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    if result.failure is not None:
+        shrinking = (
+            f", then {result.shrink_examples} examples ({result.shrink_steps} steps) while shrinking it"
+            if result.shrink_examples
+            else ""
+        )
+        counted = f"{result.examples} examples ({result.steps} steps) until the first failure{shrinking}"
+    else:
+        requested = result.requested_examples
+        extra = result.examples - requested if requested is not None else 0
+        discarded = f" and {extra} that Hypothesis discarded as invalid" if extra > 0 else ""
+        counted = f"{result.examples} examples ({requested or result.examples} as --examples counts them{discarded}), {result.steps} steps"
+    return (
+        f"{counted}; {result.elapsed_s:.1f}s ({rate:,.0f} steps/s); "
+        f"faults: {', '.join(sorted(result.faults)) or 'none'}"
+    )
+
+
+def _needs_python(trace_path: Path) -> str | None:
+    """Why the trace replays only from Python (its extended machine or model cannot be imported by name)."""
+    try:
+        document = json.loads(trace_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    reason = document.get("needs_python") if isinstance(document, dict) else None
+    return reason if isinstance(reason, str) else None
+
+
+def print_summary(result: FuzzResult, out: TextIO) -> None:
+    print(counts_line(result), file=out)
+    print("coverage (operation → outcome counts):", file=out)
+    print(coverage_table(result), file=out)
+    if result.failure is None:
+        print("no failure found", file=out)
+        return
+    print(file=out)
+    print(render_failure(result), file=out)
+
+
+def report_document(result: FuzzResult) -> dict[str, Any]:
+    """The ``--report`` JSON (contract §6); its keys are a stable schema."""
+    coverage: dict[str, dict[str, int]] = {}
+    for (op, outcome), count in sorted(result.coverage.items()):
+        coverage.setdefault(op, {})[outcome] = count
+    failures = []
+    if result.failure is not None:
+        records = result.failure.records
+        failures.append(
+            {
+                "message": result.failure.violation.message,
+                "property": result.failure.violation.property,
+                "steps": [
+                    {
+                        "op": r.action.op,
+                        "args": r.action.to_json()["args"],
+                        "expected": r.expected,
+                        "observed": r.observed,
+                    }
+                    for r in records
+                ],
+                "trace": str(result.trace_path) if result.trace_path is not None else None,
+                "faults": [
+                    {"kind": r.action.args["kind"], "value": r.action.args["value"], "step": r.index}
+                    for r in records
+                    if r.action.op == "fault"
+                ],
+            }
+        )
+    return {
+        "shardkit_version": __version__,
+        "target": result.target,
+        "seed": result.seed,
+        "examples": result.examples,
+        "steps": result.steps,
+        "elapsed_s": round(result.elapsed_s, 3),
+        "coverage": coverage,
+        "failures": failures,
+    }

@@ -1,0 +1,276 @@
+"""One fuzzing run end to end: run Hypothesis on a machine, minimise, hand the failure
+to its artefacts.
+
+``fuzz`` serves the CLI and the benchmark; ``run_as_test`` serves the machines'
+pytest ``TestCase``. Neither prints: the CLI and pytest render the result
+(``shardkit._run.report``). What the run leaves on disk — the in-progress and final
+trace, the regression test, the engine-keyed example database — is
+``shardkit._run.artefacts``'s; the result itself is ``shardkit._run.result.FuzzResult``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hypothesis import Phase, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import run_state_machine_as_test
+
+from shardkit._core.driver import StepFailed
+from shardkit._core.targets import EngineFactory, ResolvedTarget
+from shardkit._machine.build import build_machine
+from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
+from shardkit._machine.minimize import MinimizedFailure, minimize_failure
+from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, observed
+from shardkit._run.artefacts import Artefacts, run_settings_for
+from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
+from shardkit._run.result import FuzzResult
+from shardkit._run.trace import DEFAULT_OUT
+
+__all__ = [
+    "DEFAULT_OUT",
+    "Budgets",
+    "fuzz",
+    "parse_seed",
+    "run_machine",
+]
+
+Progress = Callable[[int, int, int], None]  # examples done, steps done, failures seen
+
+
+def parse_seed(text: str, option: str) -> int:
+    """A seed from the command line: an integer in [0, 2**64), or "random" for a fresh one."""
+    if text == "random":
+        return random.SystemRandom().randrange(2**32)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        message = f"{option} must be an integer in [0, 2**64) or 'random', got {text!r}"
+        raise ValueError(message)
+    return value
+
+
+def chunk_seeds(seed: int, examples: int, chunk: int, single_run: int = 0) -> Iterator[tuple[int, int]]:
+    """(seed, examples) of each bounded Hypothesis run of a run. A run of at most
+    ``single_run`` examples is one plain Hypothesis run from ``seed``; a longer one is
+    cut into runs of ``chunk``, the first from ``seed`` itself and the later ones from
+    seeds derived from it, so the one printed seed still repeats everything."""
+    if examples <= single_run:
+        yield seed, examples
+        return
+    for index, first in enumerate(range(0, examples, chunk)):
+        count = min(chunk, examples - first)
+        if index == 0:
+            yield seed, count
+        else:
+            derived = hashlib.sha256(f"shardkit-chunk:{seed}:{index}".encode()).digest()
+            yield int.from_bytes(derived[:8], "little"), count
+
+
+def run_machine(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    *,
+    seed: int,
+    out: Path | None,
+    minimize: bool = True,
+    progress: Progress | None = None,
+    budgets: Budgets = DEFAULT_BUDGETS,
+) -> FuzzResult:
+    """Run Hypothesis on ``machine`` from ``seed``; minimise a failure and write its
+    artefacts under ``out``.
+
+    Every limit is counted (``budgets``): the run is a series of bounded Hypothesis runs
+    (flat memory), Hypothesis's shrinker gets ``budgets.shrink_steps`` steps after the
+    first failure (it is slow on failures dozens of steps long, where replay is fast),
+    and the minimiser a number of replays. Hypothesis's local-constants pool is held
+    fixed (``deterministic_hypothesis``) so the same seed draws the same examples whatever
+    else the process imported.
+    """
+    artefacts = Artefacts(machine, out, seed)
+    run_settings = run_settings_for(machine, run_settings)
+    started = time.perf_counter()
+    first_failure: list[tuple[int, float, int]] = []
+    before_shrinking = (0, 0)
+
+    def on_failure(failure: FailureReport) -> None:
+        nonlocal before_shrinking
+        if not first_failure:
+            first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
+            before_shrinking = (stats.examples, stats.steps)
+            stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
+            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
+        artefacts.offer(failure)
+
+    stats = RunObserver(on_failure=on_failure, on_example=progress)
+    run_class = observed(machine, stats)
+    captured = io.StringIO()
+    interrupted = shrink_cut = False
+    try:
+        with deterministic_hypothesis(), with_reporter(lambda text: print(text, file=captured)):
+            plan = chunk_seeds(seed, run_settings.max_examples, budgets.chunk_examples, budgets.single_run_examples)
+            for chunk_seed, chunk_examples in plan:
+                test = hypothesis_seed(chunk_seed)(run_class)
+                chunk_settings = settings(run_settings, max_examples=chunk_examples, derandomize=False)
+                try:
+                    run_state_machine_as_test(test, settings=chunk_settings)
+                except ShrinkBudgetSpent:
+                    # Hypothesis's shrinker spent its steps; minimise the shortest failure by replay.
+                    stats.failure = stats.shortest
+                    shrink_cut = True
+                if stats.failure is not None:
+                    break
+    except KeyboardInterrupt:
+        if stats.failure is None:
+            raise
+        # Keep the shortest failure seen, not the attempt the interrupt happened to stop.
+        stats.failure = stats.shortest
+        interrupted = True
+    except BaseException as error:
+        if stats.failure is None:
+            raise
+        captured.write("".join(getattr(error, "__notes__", [])))
+    minimized = None
+    if stats.failure is not None and minimize and not interrupted:
+        try:
+            minimized = minimize_failure(machine, stats.failure, max_replays=budgets.minimize_replays)
+            minimized = _deepen(machine, run_settings, seed, minimized, budgets)
+        except KeyboardInterrupt:
+            interrupted = minimized is None
+    failure = minimized.report if minimized is not None else stats.failure
+    examples, steps = before_shrinking if first_failure else (stats.examples, stats.steps)
+    result = FuzzResult(
+        target=machine.target.name,
+        seed=seed,
+        examples=examples,
+        steps=steps,
+        elapsed_s=time.perf_counter() - started,
+        coverage=stats.coverage,
+        failure=failure,
+        hypothesis_output=captured.getvalue(),
+        faults=machine.fault_kinds,
+        hypothesis_failure=stats.failure,
+        minimized=minimized,
+        interrupted=interrupted,
+        first_failure=first_failure[0] if first_failure else None,
+        shrink_cut=shrink_cut,
+        shrink_examples=stats.examples - examples,
+        shrink_steps=stats.steps - steps,
+        requested_examples=run_settings.max_examples,
+    )
+    if failure is not None:
+        written = artefacts.final(failure)
+        if written is not None:
+            result.trace_path, result.regression_path = written
+    result.write_error = artefacts.write_error
+    return result
+
+
+def _deepen(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    seed: int,
+    minimized: MinimizedFailure,
+    budgets: Budgets,
+) -> MinimizedFailure:
+    """Iterative deepening: search again with fewer steps than the failure
+    has, for the same property; a shorter one found is minimised and replaces it. This
+    escapes minima that deleting steps cannot leave (a fault-based route to a bug that a
+    plainer route reaches in fewer steps)."""
+    while len(minimized.report.records) > 1:
+        shorter = _search_shorter(machine, run_settings, seed, minimized.report, budgets)
+        if shorter is None:
+            break
+        again = minimize_failure(machine, shorter, max_replays=budgets.minimize_replays)
+        if len(again.report.records) >= len(minimized.report.records):
+            break
+        minimized = again
+    return minimized
+
+
+def _search_shorter(
+    machine: type[ShardMachine],
+    run_settings: settings,
+    seed: int,
+    failure: FailureReport,
+    budgets: Budgets,
+) -> FailureReport | None:
+    limit = len(failure.records) - 1
+
+    def start_shrink_budget(found: FailureReport) -> None:
+        if stats.shrink_stop_at_step is None:
+            stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
+            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
+
+    stats = RunObserver(only_property=failure.violation.property, on_failure=start_shrink_budget)
+    probe = observed(machine, stats)
+    probe_settings = settings(
+        run_settings,
+        stateful_step_count=limit,
+        max_examples=budgets.deepening_examples,
+        phases=[Phase.generate, Phase.shrink],
+        database=None,
+        derandomize=False,
+    )
+    try:
+        with deterministic_hypothesis(), with_reporter(lambda text: None):
+            run_state_machine_as_test(hypothesis_seed(seed)(probe), settings=probe_settings)
+    except (ShrinkBudgetSpent, StepFailed):
+        pass  # a failure of the property ended the search; stats.shortest holds the shortest
+    found = stats.shortest
+    return found if found is not None and len(found.records) <= limit else None
+
+
+def fuzz(
+    target: str | EngineFactory | ResolvedTarget,
+    options: FuzzOptions | None = None,
+    *,
+    seed: int,
+    out: Path | None = None,
+    progress: Progress | None = None,
+    **changes: Any,
+) -> FuzzResult:
+    """Fuzz ``target`` reproducibly from ``seed`` with ``options`` (``FuzzOptions``; any of
+    its fields may also be given by name: ``fuzz(target, seed=1, examples=500)``); on a
+    failure, minimise it further by replay (unless ``minimize`` is False) and write its
+    trace and regression test under ``out`` (if given). The worker processes an isolated
+    run starts end with it."""
+    options = FuzzOptions.from_fields(options, changes)
+    machine = build_machine(target, **options.machine_options())
+    isolation = machine.target.isolation
+    started_workers = isolation is not None and not (
+        isinstance(target, ResolvedTarget) and target.isolation is isolation
+    )
+    # Hypothesis's defaults otherwise, exactly as a TestCase run with --shardkit-seed has them,
+    # so that both routes report the same failure from the same seed.
+    run_settings = settings(
+        max_examples=options.examples, stateful_step_count=options.steps, database=None, derandomize=False
+    )
+    try:
+        result = run_machine(
+            machine,
+            run_settings,
+            seed=seed,
+            out=out,
+            minimize=options.minimize,
+            progress=progress,
+            budgets=options.budgets,
+        )
+    finally:
+        if started_workers:
+            assert isolation is not None
+            isolation.close()
+    reference = machine.reference.name if machine.reference is not None else None
+    result.rerun_command = options.command(
+        machine.target.name, seed, reference, isolation.options if isolation is not None else None
+    )
+    return result

@@ -1,0 +1,124 @@
+"""A machine as a pytest suite: ``machine_for`` builds it, its ``TestCase`` runs the same
+run as ``shardkit fuzz`` and fails with the minimal failure and how to rerun it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shlex
+import unittest
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import settings
+
+from shardkit._core.model import ReferenceModel
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
+from shardkit._machine.build import build_machine
+from shardkit._machine.profiles import suite_settings
+from shardkit._machine.state_machine import ShardMachine
+from shardkit._run.artefacts import machine_identity
+from shardkit._run.report import render_failure
+from shardkit._run.runner import run_machine
+from shardkit._run.trace import DEFAULT_OUT
+from shardkit.contract import Role
+from shardkit.errors import SuiteFailure
+
+__all__ = ["SuiteOverrides", "machine_for", "run_as_test", "suite_seed"]
+
+
+@dataclass(frozen=True)
+class SuiteOverrides:
+    """What pytest's command line asks of every shardkit suite (the plugin hands it to each
+    ``TestCase`` it runs); a ``TestCase`` run without the plugin has none."""
+
+    engine: str | None = None
+    seed: int | None = None
+    out: Path | None = None
+
+
+def machine_for(
+    target_or_factory: str | EngineFactory | ResolvedTarget,
+    *,
+    role: Role | str | None = None,
+    faults: bool | str | Iterable[str] = True,
+    twins: bool = True,
+    reference: str | EngineFactory | ResolvedTarget | None = None,
+    model: Callable[[], ReferenceModel] = ReferenceModel,
+    base: type[ShardMachine] = ShardMachine,
+    name: str | None = None,
+    isolate: bool | IsolationOptions = False,
+    step_timeout: float | None = None,
+    worker_memory_mb: int | None = None,
+) -> type[ShardMachine]:
+    """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model; collect
+    its ``TestCase`` with pytest.
+
+    ``role`` pins the shard role (None or "any" draws one per example); ``faults``
+    is True/"all", False/"none" or a list of kinds; ``twins`` turns the twin
+    oracle on; ``reference`` builds the twins from another engine, which fuzzes
+    the target differentially against it (same statuses, same outputs); ``model`` builds
+    the reference model (subclass it to extend the rules, see docs/extending.md); ``base``
+    is the machine class to extend with the fault rules. ``isolate`` runs every engine in
+    a child process, whose calls get ``step_timeout`` seconds each and whose memory
+    ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
+    """
+    return build_machine(
+        target_or_factory,
+        role=role,
+        faults=faults,
+        twins=twins,
+        reference=reference,
+        model=model,
+        base=base,
+        name=name,
+        isolate=isolate,
+        step_timeout=step_timeout,
+        worker_memory_mb=worker_memory_mb,
+        suite_runner=run_as_test,
+    )
+
+
+def suite_seed(machine: type[ShardMachine], derandomized: bool) -> int:
+    """The seed of a pytest run that names none: derived from the machine's identity when
+    the profile is derandomized (every run repeats the same examples), else a fresh one,
+    which a failure prints."""
+    if derandomized:
+        return int.from_bytes(hashlib.sha256(machine_identity(machine).encode()).digest()[:4], "little")
+    return random.SystemRandom().randrange(2**32)
+
+
+def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
+    """What a machine's ``TestCase`` runs under pytest: the same run as ``shardkit fuzz``,
+    raising ``SuiteFailure`` with the minimal failure and how to rerun it.
+
+    With ``--shardkit-seed N`` the run is exactly ``shardkit fuzz … --seed N`` (same
+    settings, no example database); otherwise it runs under the suite's settings or profile
+    (``suite_settings``) with a seed derived as ``suite_seed`` says."""
+    __tracebackhide__ = True  # pytest: show the failure, not the runner's frames
+    overrides = getattr(test, "shardkit_overrides", None)
+    if not isinstance(overrides, SuiteOverrides):
+        overrides = SuiteOverrides()
+    explicit = getattr(test, "settings", None)
+    if overrides.engine is not None:
+        machine = machine_for(overrides.engine, **machine.build_options)
+    run_settings, _ = suite_settings(explicit if isinstance(explicit, settings) else None)
+    if overrides.seed is not None:
+        seed = overrides.seed
+        run_settings = settings(run_settings, database=None, derandomize=False)
+    else:
+        seed = suite_seed(machine, run_settings.derandomize)
+    result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
+    if result.failure is not None:
+        engine = f" --shardkit-engine {shlex.quote(overrides.engine)}" if overrides.engine is not None else ""
+        # pytest names the running test in PYTEST_CURRENT_TEST ("path::Class::test (call)"):
+        # rerun that test alone, not every suite the project's testpaths collect.
+        current = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+        selected = f" {shlex.quote(current)}" if current else ""
+        result.rerun_command = f"pytest{selected} --shardkit-seed {seed}{engine}"
+        if overrides.seed is None and run_settings.derandomize:
+            result.rerun_command += "  (or plain pytest: the profile is derandomized)"
+        message = render_failure(result)
+        raise SuiteFailure(message, message[message.index("reproduce:") :])

@@ -1,0 +1,446 @@
+"""``RemoteShardEngine``: a ``ShardEngine`` served over the ``shardkit.v1`` gRPC service.
+
+``grpc://HOST:PORT`` and ``unix:PATH`` are engine targets (see ``remote_target``):
+each call of the target asks the server for a fresh engine of its own (``NewEngine``),
+so twins and restarts after a crash get fresh engines, as in-process.
+
+Every call has a deadline. Whatever goes wrong on the way is a ``RemoteEngineError``
+naming the address and the operation, never a hang:
+
+- ``RemoteUnavailable`` — the connection is refused, or the server went away;
+- ``RemoteDeadlineExceeded`` — no answer within ``timeout_seconds``;
+- ``RemoteEngineCrashed`` — the engine raised (a process death for the kit);
+  ``exception_type`` names what it raised;
+- ``RemoteProtocolError`` — another protocol version, a missing RPC, or an answer
+  that does not decode to a contract §1 value.
+
+For the kit (engines built by ``remote_target``), losing the server is not a finding about
+the engine: a call that finds the server gone, or the engine evicted by it, raises
+``EngineLost`` instead, which ends the run at once with an error naming the address.
+
+Connections are shared per address (one channel, one handshake). An engine that is
+closed, or garbage-collected, is dropped on the server: ``close()`` does it at once,
+garbage collection queues it for the connection's next ``NewEngine`` (a finalizer must
+not make a blocking call).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc  # type: ignore[import-untyped, unused-ignore]
+
+from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, ResolvedTarget, check_seconds
+from shardkit._transport import codec
+from shardkit._version import __version__
+from shardkit.contract import (
+    DecodeRequest,
+    EngineCapabilities,
+    EngineError,
+    Fault,
+    HealthResult,
+    LoadRequest,
+    LoadResult,
+    MetricsResult,
+    PrefillRequest,
+    ShardEngine,
+    StepResult,
+    StructuredStatus,
+)
+from shardkit.errors import (
+    EngineLost,
+    InvalidTarget,
+    RemoteDeadlineExceeded,
+    RemoteEngineCrashed,
+    RemoteEngineError,
+    RemoteEngineEvicted,
+    RemoteProtocolError,
+    RemoteUnavailable,
+)
+from shardkit.proto import shard_engine_pb2 as pb
+from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
+
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "RemoteDeadlineExceeded",
+    "RemoteEngineCrashed",
+    "RemoteEngineError",
+    "RemoteEngineEvicted",
+    "RemoteProtocolError",
+    "RemoteShardEngine",
+    "RemoteUnavailable",
+    "close_connection",
+    "close_connections",
+    "parse_address",
+    "remote_target",
+]
+
+T = TypeVar("T")
+#: A call's deadline unless told otherwise: the kit's, for every engine in another process.
+DEFAULT_TIMEOUT_SECONDS = DEFAULT_STEP_TIMEOUT
+#: How long ``close()`` waits for the server to drop an engine: best effort.
+_CLOSE_TIMEOUT_SECONDS = 1.0
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """``grpc://HOST:PORT``, ``HOST:PORT`` or ``unix:PATH`` → (the URL to show, what gRPC dials)."""
+    if address.startswith("unix:"):
+        if not address[len("unix:") :].strip("/"):
+            message = f"remote engine address {address!r}: a unix socket needs a path, e.g. unix:/tmp/shard.sock"
+            raise InvalidTarget(message)
+        return address, address
+    dial = address.removeprefix("grpc://")
+    host, colon, port = dial.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        message = f"remote engine address {address!r} must be grpc://HOST:PORT (a port in 1..65535) or unix:PATH"
+        raise InvalidTarget(message)
+    return f"grpc://{dial}", dial
+
+
+class _Connection:
+    """One channel to one server, handshaken, shared by every engine on that address."""
+
+    def __init__(self, url: str, dial: str) -> None:
+        self.url = url
+        self.channel = grpc.insecure_channel(dial, options=codec.GRPC_OPTIONS)
+        self.stub = pb_grpc.ShardEngineServiceStub(self.channel)  # type: ignore[no-untyped-call]
+        #: Engines garbage-collected since the last NewEngine; closed on the server then.
+        self.to_close: collections.deque[int] = collections.deque()
+        self.closing: set[Any] = set()
+        self.server = ""
+        self.target = ""
+        self.server_id = ""
+        self.closed = False
+
+    def call(self, operation: str, rpc: str, request: Any, timeout: float, *, wait_for_ready: bool = False) -> Any:
+        if self.closed:
+            message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
+            raise RemoteUnavailable(message, address=self.url, operation=operation)
+        try:
+            return getattr(self.stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as error:
+            raise self.translate(error, operation, timeout) from error
+
+    def translate(self, error: Any, operation: str, timeout: float) -> RemoteEngineError:
+        code = error.code() if callable(getattr(error, "code", None)) else None
+        details = (error.details() if callable(getattr(error, "details", None)) else None) or str(error)
+        where = {"address": self.url, "operation": operation, "details": details}
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message = f"{self.url}: {operation} got no answer within its {timeout:g} s deadline (the engine hangs or is too slow)"
+            return RemoteDeadlineExceeded(message, timeout_seconds=timeout, **where)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            _CONNECTIONS.forget(self)  # the next engine on this address connects and handshakes afresh
+            message = (
+                f"{self.url}: {operation} failed: the engine server is unreachable "
+                f"(nothing listens there, or it went away): {details}"
+            )
+            return RemoteUnavailable(message, code=code.name, **where)
+        if code == grpc.StatusCode.INTERNAL:
+            exception_type = _trailing(error).get(codec.EXCEPTION_TYPE_KEY)
+            if exception_type is not None:
+                message = f"{self.url}: {operation}: the engine raised {details}"
+                return RemoteEngineCrashed(message, exception_type=str(exception_type), **where)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and codec.EVICTED_KEY in _trailing(error):
+            message = f"{self.url}: {operation}: the server evicted this engine: {details}"
+            return RemoteEngineEvicted(message, code=code.name, **where)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            message = (
+                f"{self.url}: {operation}: a message exceeded the size limit of one end "
+                f"(this client's is {codec.MAX_MESSAGE_BYTES // 2**20} MiB, shardkit.remote.MAX_MESSAGE_BYTES): {details}"
+            )
+            return RemoteEngineError(message, code=code.name, **where)
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            message = f"{self.url}: {operation}: the server does not implement this RPC; is it a shardkit.v1 service? ({details})"
+            return RemoteProtocolError(message, code=code.name, **where)
+        name = code.name if code is not None else "unknown"
+        return RemoteEngineError(
+            f"{self.url}: {operation} failed with gRPC status {name}: {details}", code=name, **where
+        )
+
+    def handshake(self, timeout: float, wait_for_ready: bool) -> None:
+        request = pb.HandshakeRequest(protocol_version=codec.PROTOCOL_VERSION, client=f"shardkit {__version__}")
+        try:
+            response = self.call("handshake", "Handshake", request, timeout, wait_for_ready=wait_for_ready)
+        except RemoteEngineError as error:
+            if error.code != "FAILED_PRECONDITION":
+                raise
+            # The server refused this client's version; its message names both.
+            message = f"{self.url}: handshake refused: {error.details}"
+            raise RemoteProtocolError(
+                message, address=self.url, operation="handshake", code=error.code, details=error.details
+            ) from error
+        if response.protocol_version != codec.PROTOCOL_VERSION:
+            message = (
+                f"{self.url}: protocol version mismatch: this client speaks {codec.PROTOCOL_VERSION!r}, "
+                f"the server speaks {response.protocol_version!r}"
+            )
+            raise RemoteProtocolError(message, address=self.url, operation="handshake")
+        self.server, self.target, self.server_id = response.server, response.target, response.server_id
+
+    def new_engine(self, timeout: float) -> int:
+        while self.to_close:
+            # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
+            # future is kept until done, since gRPC cancels a call whose future is collected.
+            closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=self.to_close.popleft()), timeout=timeout)
+            self.closing.add(closing)
+            closing.add_done_callback(self.closing.discard)
+        response = self.call("NewEngine", "NewEngine", pb.NewEngineRequest(), timeout)
+        if response.server_id != self.server_id:
+            # The channel reconnected to another server on this address: check it speaks our version.
+            self.handshake(timeout, wait_for_ready=False)
+        return int(response.engine_id)
+
+    def close(self) -> None:
+        self.closed = True
+        self.channel.close()
+
+
+def _trailing(error: Any) -> dict[str, Any]:
+    """A failed call's trailing metadata, as a dict (empty when there is none)."""
+    if not callable(getattr(error, "trailing_metadata", None)):
+        return {}
+    return dict(error.trailing_metadata() or ())
+
+
+class _Connections:
+    """The cached channel of each address, shared by every engine on it; the process has one
+    (``_CONNECTIONS``), which ``close_connections()`` empties."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, _Connection] = {}
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> _Connection | None:
+        with self._lock:
+            return self._by_url.get(url)
+
+    def keep(self, connection: _Connection) -> _Connection:
+        """The cached connection of its address: ``connection``, unless another thread cached one first."""
+        with self._lock:
+            return self._by_url.setdefault(connection.url, connection)
+
+    def forget(self, connection: _Connection) -> None:
+        with self._lock:
+            if self._by_url.get(connection.url) is connection:
+                del self._by_url[connection.url]
+
+    def pop(self, url: str) -> _Connection | None:
+        with self._lock:
+            return self._by_url.pop(url, None)
+
+    def pop_all(self) -> list[_Connection]:
+        with self._lock:
+            connections = list(self._by_url.values())
+            self._by_url.clear()
+        return connections
+
+
+_CONNECTIONS = _Connections()
+
+
+def _connect(url: str, dial: str, timeout: float, wait_for_ready: bool) -> _Connection:
+    connection = _CONNECTIONS.get(url)
+    if connection is not None:
+        return connection
+    connection = _Connection(url, dial)
+    try:
+        connection.handshake(timeout, wait_for_ready)
+    except BaseException:
+        connection.close()
+        raise
+    # Another thread may have connected meanwhile: keep one channel per address.
+    kept = _CONNECTIONS.keep(connection)
+    if kept is not connection:
+        connection.close()
+    return kept
+
+
+def close_connection(url: str) -> None:
+    """Close the cached channel to ``url`` (a server known to be gone), if there is one."""
+    connection = _CONNECTIONS.pop(url)
+    if connection is not None:
+        connection.close()
+
+
+def close_connections() -> None:
+    """Close every cached channel; engines still using one fail with ``RemoteUnavailable``."""
+    for connection in _CONNECTIONS.pop_all():
+        connection.close()
+
+
+def _step_text(operation: str, request: PrefillRequest | DecodeRequest) -> str:
+    """E.g. ``decode(session='a', epoch=0, step=3, 1 token(s))``, for messages."""
+    if request.token_ids is not None:
+        size = f"{len(request.token_ids)} token(s)"
+    else:
+        assert request.bundle is not None
+        shape = request.bundle.tensors[0].shape if request.bundle.tensors else ()
+        size = f"a bundle of {shape[0] if shape else 0} row(s)"
+    return f"{operation}(session={request.session_id!r}, epoch={request.epoch}, step={request.step}, {size})"
+
+
+class RemoteShardEngine(ShardEngine):
+    """A fresh engine on the server at ``address``, owned by this object until ``close()``.
+
+    ``wait_for_server`` waits (up to ``timeout_seconds``) for a server that is still
+    starting instead of failing at once when nothing listens yet. ``loss_ends_run`` (what
+    ``remote_target`` sets) makes a call that finds the server gone, or this engine evicted,
+    raise ``EngineLost`` rather than ``RemoteUnavailable``/``RemoteEngineEvicted``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        wait_for_server: bool = False,
+        loss_ends_run: bool = False,
+    ) -> None:
+        check_seconds("timeout_seconds", timeout_seconds)
+        self.url, dial = parse_address(address)
+        self.timeout_seconds = float(timeout_seconds)
+        self.loss_ends_run = loss_ends_run
+        self._connection = _connect(self.url, dial, self.timeout_seconds, wait_for_server)
+        self.engine_id = self._connection.new_engine(self.timeout_seconds)
+        self._ref = pb.EngineRef(engine_id=self.engine_id)
+        self._finalizer = weakref.finalize(self, self._connection.to_close.append, self.engine_id)
+
+    def __repr__(self) -> str:
+        return f"RemoteShardEngine({self.url!r}, engine_id={self.engine_id})"
+
+    @property
+    def server_target(self) -> str:
+        """The engine target the server builds its engines from."""
+        return self._connection.target
+
+    def close(self) -> None:
+        """Drop this engine on the server (best effort; closing twice is fine)."""
+        if self._finalizer.detach() is None:
+            return
+        # A failure means the server is gone, and the engine with it.
+        with contextlib.suppress(RemoteEngineError):
+            self._connection.call("close", "CloseEngine", self._ref, min(self.timeout_seconds, _CLOSE_TIMEOUT_SECONDS))
+
+    def __enter__(self) -> RemoteShardEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, operation: str, rpc: str, request: Any) -> Any:
+        try:
+            return self._connection.call(operation, rpc, request, self.timeout_seconds)
+        except (RemoteUnavailable, RemoteEngineEvicted) as error:
+            if not self.loss_ends_run:
+                raise
+            raise _lost(error) from error
+
+    def _decode(self, operation: str, decode: Callable[[], T]) -> T:
+        try:
+            return decode()
+        except codec.WireFormatError as error:
+            raise self._garbage(operation, str(error)) from error
+
+    def _garbage(self, operation: str, problem: str) -> RemoteProtocolError:
+        message = f"{self.url}: {operation}: the server answered garbage: {problem}"
+        return RemoteProtocolError(message, address=self.url, operation=operation)
+
+    # --- ShardEngine ---------------------------------------------------------------------------
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        operation = f"load(model_id={request.model_id!r}, layers {request.shard_start}..{request.shard_end} of {request.total_layers})"
+        call = pb.LoadCall(engine_id=self.engine_id, request=codec.load_request_to_pb(request))
+        response = self._call(operation, "Load", call)
+        outcome = response.WhichOneof("outcome")
+        if outcome == "error":
+            raise EngineError(self._decode(operation, lambda: codec.status_from_pb(response.error)))
+        if outcome != "result":
+            raise self._garbage(operation, "a LoadResponse holds neither a result nor an error")
+        return self._decode(operation, lambda: codec.load_result_from_pb(response.result))
+
+    def capabilities(self) -> EngineCapabilities:
+        operation = "capabilities()"
+        response = self._call(operation, "Capabilities", self._ref)
+        outcome = response.WhichOneof("outcome")
+        if outcome == "error":
+            raise EngineError(self._decode(operation, lambda: codec.status_from_pb(response.error)))
+        if outcome != "capabilities":
+            raise self._garbage(operation, "a CapabilitiesResponse holds neither capabilities nor an error")
+        return self._decode(operation, lambda: codec.capabilities_from_pb(response.capabilities))
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        operation = _step_text("prefill", request)
+        call = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(request))
+        response = self._call(operation, "Prefill", call)
+        return self._decode(operation, lambda: codec.step_result_from_pb(response))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        operation = _step_text("decode", request)
+        call = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(request))
+        response = self._call(operation, "Decode", call)
+        return self._decode(operation, lambda: codec.step_result_from_pb(response))
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        operation = f"cancel(session={session_id!r}, epoch={epoch})"
+        call = pb.CancelCall(engine_id=self.engine_id, session_id=session_id)
+        codec.put_counter(call, "epoch", epoch)
+        response = self._call(operation, "Cancel", call)
+        return self._decode(operation, lambda: codec.status_from_pb(response))
+
+    def release(self, session_id: str) -> StructuredStatus:
+        operation = f"release(session={session_id!r})"
+        response = self._call(operation, "Release", pb.ReleaseCall(engine_id=self.engine_id, session_id=session_id))
+        return self._decode(operation, lambda: codec.status_from_pb(response))
+
+    def health(self) -> HealthResult:
+        response = self._call("health()", "Health", self._ref)
+        return self._decode("health()", lambda: codec.health_from_pb(response))
+
+    def metrics(self) -> MetricsResult:
+        response = self._call("metrics()", "Metrics", self._ref)
+        return self._decode("metrics()", lambda: codec.metrics_from_pb(response))
+
+    # --- FaultInjectable -------------------------------------------------------------------------
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        """Forwarded; the server's ``capabilities().supported_faults`` says which kinds it takes."""
+        operation = f"inject_fault({fault.kind}, {fault.value:g})"
+        call = pb.InjectFaultCall(engine_id=self.engine_id, fault=codec.fault_to_pb(fault))
+        response = self._call(operation, "InjectFault", call)
+        return self._decode(operation, lambda: codec.status_from_pb(response))
+
+
+def _lost(error: RemoteEngineError) -> EngineLost:
+    if isinstance(error, RemoteEngineEvicted):
+        what = f"the engine server at {error.address} evicted the engine under test during {error.operation}"
+    else:
+        what = f"the engine server at {error.address} went away during {error.operation}"
+    message = f"{what} ({error.details or error}); nothing after that was checked: check the server and run again"
+    return EngineLost(message, address=error.address)
+
+
+def remote_target(address: str, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ResolvedTarget:
+    """The engine target ``address``: each call builds a ``RemoteShardEngine`` with a fresh engine.
+
+    A server unreachable at the first call is an ``InvalidTarget``; one that goes away
+    after serving an engine of this target ends the run with ``EngineLost``."""
+    parse_address(address)  # refuse a malformed address now, not at the first engine
+    served = False
+
+    def build() -> ShardEngine:
+        nonlocal served
+        try:
+            engine = RemoteShardEngine(address, timeout_seconds=timeout_seconds, loss_ends_run=True)
+        except RemoteUnavailable as error:
+            if served:
+                raise _lost(error) from error
+            raise
+        served = True
+        return engine
+
+    return ResolvedTarget(address, build)

@@ -1,0 +1,32 @@
+"""Any engine target by name: ``resolve_target``.
+
+A ``grpc://HOST:PORT`` or ``unix:PATH`` target names an engine server, reached through the
+client (the ``grpc`` extra, imported only then); any other target is Python code imported
+in this process (``shardkit._core.targets.import_target``). Isolating a target, and setting
+the deadline of its calls, is one level up: ``shardkit._transport.isolation``.
+
+Importable without gRPC, and imports neither the server nor the worker, so the server can
+resolve what it serves.
+"""
+
+from __future__ import annotations
+
+from shardkit._core.targets import EngineFactory, ResolvedTarget, import_target, is_remote_address
+from shardkit.errors import InvalidTarget
+
+__all__ = ["resolve_target"]
+
+
+def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
+    """Turn a target string or a factory into a checked ``ResolvedTarget``.
+
+    ``grpc://HOST:PORT`` and ``unix:PATH`` name a remote engine server (the ``grpc`` extra):
+    each call of the target asks the server there for a fresh engine."""
+    if isinstance(target, str) and is_remote_address(target):
+        try:
+            from shardkit._transport.client import remote_target
+        except ImportError as error:
+            message = f"engine target {target!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+            raise InvalidTarget(message) from error
+        return remote_target(target)
+    return import_target(target)

@@ -1,0 +1,363 @@
+"""Worker processes for isolated engines (``shardkit fuzz --isolate``).
+
+A ``WorkerPool`` keeps one child ``shardkit serve TARGET --worker`` process serving
+the engines of one target over a Unix socket; every engine the kit builds from the
+target (the engine under test, its twins, restarts) is a ``RemoteShardEngine`` on
+that child. In worker mode the child ends itself when an engine raises (exit 70,
+71 for ``MemoryError``), as a native engine's process would die, and ends when its
+stdin closes, so a kit killed outright leaves no worker behind.
+
+When a call fails, ``death`` finds out how the child ended: a signal or an exit
+code, read from the process itself, or a missed deadline or a garbage answer, after
+which the child is killed since it can no longer be trusted. The next engine comes
+from a fresh child; after the first death a spare child is kept starting in the
+background, so shrinking (where most runs end in a death) does not wait for one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from shardkit._core.targets import IsolationOptions, ProcessDeath
+from shardkit._transport.client import RemoteShardEngine, close_connection
+from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
+from shardkit.contract import ShardEngine
+from shardkit.errors import (
+    InvalidTarget,
+    RemoteDeadlineExceeded,
+    RemoteEngineCrashed,
+    RemoteEngineError,
+    RemoteUnavailable,
+)
+
+__all__ = ["WorkerPool", "live_worker_pids", "watch_parent"]
+
+#: How long a worker may take to import its target and start serving.
+START_SECONDS = 60.0
+#: How long a worker whose connection broke gets to finish dying before it is killed.
+EXIT_GRACE_SECONDS = 3.0
+TAIL_LINES = 8
+#: How long a hung worker gets to print its threads' stacks before it is killed.
+_DUMP_SECONDS = 1.0
+_TAIL_BYTES = 16_384
+#: What a native allocator prints when a memory limit refuses it.
+_MEMORY_SIGNS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "out of memory", "pthread_create failed")
+
+
+class _Worker:
+    """One child process serving on ``url``, its output kept in ``log_path``."""
+
+    def __init__(self, number: int, target: str, options: IsolationOptions, folder: Path) -> None:
+        socket = folder / f"worker-{number}.sock"
+        self.url = f"unix:{socket}"
+        self.log_path = folder / f"worker-{number}.log"
+        self.death: ProcessDeath | None = None
+        command = [sys.executable, "-m", "shardkit", "serve", target, "--listen", self.url, "--worker"]
+        if options.worker_memory_mb is not None:
+            command += ["--worker-memory", str(options.worker_memory_mb)]
+        # The child imports the target by name: let it see what this process sees.
+        paths = [path or os.getcwd() for path in sys.path if isinstance(path, str)]
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        with self.log_path.open("wb") as log:
+            # Its own session: a Ctrl-C meant for the kit must not kill the worker mid-step.
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, target: str) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            # `shardkit serve` prints "serving TARGET on URL" once it listens.
+            if b"serving " in self.log_path.read_bytes()[:_TAIL_BYTES]:
+                return
+            code = self.process.poll()
+            if code is not None:
+                tail = "; ".join(self.tail()) or "it printed nothing"
+                message = f"the worker process for {target} {_exit_text(code)} before serving: {tail}"
+                raise InvalidTarget(message)
+            if time.monotonic() > deadline:
+                self.kill()
+                message = f"the worker process for {target} did not start serving within {START_SECONDS:g} s"
+                raise InvalidTarget(message)
+            time.sleep(0.005)
+
+    def exit_code(self, grace: float) -> int | None:
+        """The exit code (negative: the signal) once the process ends, None if it lives on."""
+        try:
+            code = self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            return None
+        self._close_stdin()
+        return code
+
+    def _close_stdin(self) -> None:
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+
+    def dump_stacks(self) -> None:
+        """Have the worker print where each of its threads is (faulthandler, on SIGUSR1)."""
+        size = self.log_path.stat().st_size
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + _DUMP_SECONDS
+        while time.monotonic() < deadline and self.log_path.stat().st_size == size:
+            time.sleep(0.01)
+        time.sleep(0.05)  # the dump is written thread by thread
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+        self._close_stdin()
+        close_connection(self.url)
+
+    def tail(self) -> tuple[str, ...]:
+        """The last lines the process printed; from a fatal error's header when there is one."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - _TAIL_BYTES))
+                text = log.read().decode("utf-8", "replace")
+        except OSError:
+            return ()
+        lines = [line.rstrip() for line in text.splitlines() if line.strip() and not line.startswith("serving ")]
+        for index in range(max(0, len(lines) - 40), len(lines)):
+            if lines[index].startswith("Fatal Python error"):
+                # faulthandler: the header, then the crashing thread's innermost frames.
+                return tuple(lines[index : index + TAIL_LINES])
+        engine_thread = _engine_thread(lines)
+        return engine_thread if engine_thread else tuple(lines[-TAIL_LINES:])
+
+
+class WorkerPool:
+    """The ``Isolation`` of one target: builds engines in a child process, explains its deaths."""
+
+    def __init__(self, target: str, options: IsolationOptions) -> None:
+        self.target = target
+        self.options = options
+        self._folder = Path(tempfile.mkdtemp(prefix="shardkit-worker-"))
+        self._numbers = itertools.count(1)
+        self._current: _Worker | None = None
+        self._spare: _Worker | None = None
+        self._by_url: dict[str, _Worker] = {}
+        #: Deaths so far; after the first a spare worker is kept starting.
+        self._deaths = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        _OPEN_POOLS.add(self)
+
+    def __repr__(self) -> str:
+        return f"WorkerPool({self.target!r}, {self.options})"
+
+    @property
+    def workers_started(self) -> int:
+        return len(self._by_url)
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes of this pool that still run (the serving one and the spare)."""
+        with self._lock:
+            return [worker.pid for worker in (self._current, self._spare) if worker is not None and worker.alive()]
+
+    def new_engine(self) -> ShardEngine:
+        """A fresh engine in the serving worker, started (or replaced) as needed."""
+        worker = self._serving_worker()
+        try:
+            return RemoteShardEngine(worker.url, timeout_seconds=self.options.step_timeout)
+        except RemoteEngineError as error:
+            death = self.death(error)
+            if death is None:
+                raise
+            message = f"the worker process for {self.target} {death.summary} while building an engine"
+            message += death.quoted_tail()
+            raise InvalidTarget(message) from error
+
+    def _serving_worker(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                message = f"the isolation of {self.target} was closed; isolate the target again"
+                raise InvalidTarget(message)
+            current = self._current
+            if current is not None and current.alive() and current.death is None:
+                return current
+            if current is not None:
+                current.kill()
+                self._forget_files(current)
+            worker, self._spare = self._spare or self._start(), None
+            self._current = worker
+            worker.wait_ready(self.target)
+            if self._deaths:
+                # Workers die often from here on (shrinking ends most runs in a death).
+                self._spare = self._start()
+            return worker
+
+    def _start(self) -> _Worker:
+        worker = _Worker(next(self._numbers), self.target, self.options, self._folder)
+        self._by_url[worker.url] = worker
+        return worker
+
+    def _forget_files(self, worker: _Worker) -> None:
+        # The log is kept until the pool closes: a death's tail may still be read.
+        Path(worker.url.removeprefix("unix:")).unlink(missing_ok=True)
+
+    def death(self, error: BaseException) -> ProcessDeath | None:
+        if not isinstance(error, RemoteEngineError):
+            return None
+        with self._lock:
+            worker = self._by_url.get(error.address)
+            if worker is None:
+                return None
+            if worker.death is None:
+                worker.death = self._diagnose(worker, error)
+                self._deaths += 1
+            return worker.death
+
+    def _diagnose(self, worker: _Worker, error: RemoteEngineError) -> ProcessDeath:
+        if isinstance(error, RemoteDeadlineExceeded):
+            worker.dump_stacks()
+            worker.kill()
+            summary = f"missed its {error.timeout_seconds:g} s step deadline (the kit killed it)"
+            return ProcessDeath("step deadline", summary, worker.tail())
+        code = (
+            worker.exit_code(EXIT_GRACE_SECONDS)
+            if isinstance(error, (RemoteUnavailable, RemoteEngineCrashed))
+            else None
+        )
+        if code is None:
+            worker.kill()
+            if isinstance(error, RemoteUnavailable):
+                summary = f"stopped answering but did not exit ({error.details}); the kit killed it"
+                return ProcessDeath("connection lost", summary, worker.tail())
+            return ProcessDeath("garbage answer", f"answered garbage: {error} (the kit killed it)", worker.tail())
+        close_connection(worker.url)
+        return self._exit_death(code, worker.tail())
+
+    def _exit_death(self, code: int, tail: tuple[str, ...]) -> ProcessDeath:
+        limit = self.options.worker_memory_mb
+        if code == EXIT_OUT_OF_MEMORY or (
+            limit is not None and any(sign in line for line in tail for sign in _MEMORY_SIGNS)
+        ):
+            within = f" within --worker-memory {limit} MB" if limit is not None else ""
+            return ProcessDeath("worker memory", f"ran out of memory{within} ({_exit_text(code)})", tail)
+        if code == EXIT_ENGINE_RAISED:
+            raised = next((line.partition(" raised ")[2] for line in reversed(tail) if " raised " in line), "")
+            return ProcessDeath(
+                "unexplained exception", f"exited after the engine raised {raised or 'an exception'}", tail
+            )
+        if code < 0:
+            name = _signal_name(-code)
+            return ProcessDeath(f"process killed by {name}", f"killed by {name}", tail)
+        return ProcessDeath(f"process exited with code {code}", f"exited with code {code}", tail)
+
+    def kill(self) -> None:
+        with self._lock:
+            current = self._current
+            if current is not None and current.death is None:
+                current.kill()
+                current.death = ProcessDeath("killed", "was killed by the kit (an injected crash)", current.tail())
+                self._deaths += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for worker in self._by_url.values():
+                worker.kill()  # a dead worker is only reaped and its pipe closed
+            self._current = self._spare = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+        _OPEN_POOLS.discard(self)
+
+
+def _engine_thread(lines: list[str]) -> tuple[str, ...]:
+    """From a dump of every thread's stack, the thread running an engine call (innermost first)."""
+    starts = [index for index, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))]
+    for start, end in zip(starts, [*starts[1:], len(lines)]):  # noqa: B905 - the second is one longer
+        block = lines[start:end]
+        if any("server.py" in line and " in _run" in line for line in block):
+            return tuple(block[:TAIL_LINES])
+    return ()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _exit_text(code: int) -> str:
+    return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+
+
+class _OpenPools:
+    """The pools of this process not yet closed, held so that none is collected with its
+    workers still running, and closed at exit; the process has one (``_OPEN_POOLS``)."""
+
+    def __init__(self) -> None:
+        self._pools: set[WorkerPool] = set()
+        self._lock = threading.Lock()
+
+    def add(self, pool: WorkerPool) -> None:
+        with self._lock:
+            self._pools.add(pool)
+
+    def discard(self, pool: WorkerPool) -> None:
+        with self._lock:
+            self._pools.discard(pool)
+
+    def snapshot(self) -> list[WorkerPool]:
+        with self._lock:
+            return list(self._pools)
+
+
+_OPEN_POOLS = _OpenPools()
+
+
+def live_worker_pids() -> list[int]:
+    """Every worker process of this process's pools that still runs (for tests and checks)."""
+    return [pid for pool in _OPEN_POOLS.snapshot() for pid in pool.pids]
+
+
+@atexit.register
+def _close_every_pool() -> None:
+    for pool in _OPEN_POOLS.snapshot():
+        pool.close()
+
+
+def watch_parent(stdin_fd: int) -> None:
+    """In a worker: end the process when the kit's end of stdin closes (the kit died or closed it)."""
+
+    def wait_for_eof() -> None:
+        # os.read, not a buffered reader: a daemon thread holding its lock would abort
+        # the interpreter's shutdown when the worker exits for another reason.
+        with contextlib.suppress(OSError):
+            while os.read(stdin_fd, 4096):
+                pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_eof, name="shardkit-worker-parent-watch", daemon=True).start()

@@ -1,0 +1,28 @@
+"""Small checks the bundled engines share (private: engine authors get them through
+``SessionEngine``, which applies them for every engine built on it)."""
+
+from __future__ import annotations
+
+from shardkit.contract import EPOCH_STEP_LIMIT, CacheResult, StatusCode, StepResult, StructuredStatus
+
+__all__ = ["identity_problem", "is_int_at_least", "refusal"]
+
+
+def refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
+    """A refused step: ``code`` with ``message``, no output, cache MISS."""
+    return StepResult(StructuredStatus(code, message, retryable), CacheResult.MISS)
+
+
+def identity_problem(session_id: str, **counters: int) -> str | None:
+    """Rule 2's checks on the ids every step and cancel carry."""
+    if not session_id:
+        return "session_id is empty; pass a non-empty session id"
+    for name, value in counters.items():
+        if not 0 <= value < EPOCH_STEP_LIMIT:
+            return f"{name}={value} is outside [0, 2**63); pass a value in that range"
+    return None
+
+
+def is_int_at_least(value: object, minimum: int) -> bool:
+    """For constructors' checks: an int (bool excluded, it is always a caller's mistake) >= ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
