@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -235,7 +236,7 @@ def fuzz(
     options: FuzzOptions | None = None,
     *,
     seed: int,
-    out: Path | None = None,
+    out: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     **changes: Any,
 ) -> FuzzResult:
@@ -260,7 +261,7 @@ def fuzz(
             machine,
             run_settings,
             seed=seed,
-            out=out,
+            out=Path(out) if out is not None else None,
             minimize=options.minimize,
             progress=progress,
             budgets=options.budgets,
