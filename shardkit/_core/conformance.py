@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from shardkit._core.checks import output_problems, payload_difference, payloads_of
+from shardkit._core.checks import metrics_text, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, StepRequest
 from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
@@ -23,7 +23,6 @@ from shardkit.contract import (
     DecodeRequest,
     EngineError,
     LoadRequest,
-    MetricsResult,
     PrefillRequest,
     Role,
     StepResult,
@@ -110,7 +109,7 @@ class _Probe:
     def expect_metrics(self, when: str) -> None:
         observed, expected = self.engine.metrics(), self.model.expected_metrics()
         if observed != expected:
-            raise _CheckFailed(f"metrics() {when}", _fmt_metrics(expected), _fmt_metrics(observed))
+            raise _CheckFailed(f"metrics() {when}", metrics_text(expected), metrics_text(observed))
 
     def _inputs(
         self, session_id: str, epoch: int, step: int, count: int, first: int
@@ -126,13 +125,6 @@ def _compare(call: str, predicted: Prediction, observed: StepResult) -> None:
     if (status.code, status.retryable, observed.cache) != (predicted.code, predicted.retryable, predicted.cache):
         message = status.message and f" {status.message!r}"
         raise _CheckFailed(call, str(predicted), f"{_describe_result(observed)}{message}")
-
-
-def _fmt_metrics(metrics: MetricsResult) -> str:
-    return (
-        f"prefill_calls={metrics.prefill_calls} decode_calls={metrics.decode_calls} "
-        f"active_sessions={metrics.active_sessions} kv_tokens={metrics.kv_tokens}"
-    )
 
 
 def _range_for(role: Role, total_layers: int) -> tuple[int, int]:
@@ -213,7 +205,7 @@ def _retry_is_idempotent(make_engine: EngineFactory) -> None:
         raise _CheckFailed("decode(step=1) sent twice", f"the first result again, {first!r}", repr(again))
     after = probe.engine.metrics()
     if (after.kv_tokens, after.active_sessions) != (before.kv_tokens, before.active_sessions):
-        raise _CheckFailed("metrics() after a repeated decode", _fmt_metrics(before), _fmt_metrics(after))
+        raise _CheckFailed("metrics() after a repeated decode", metrics_text(before), metrics_text(after))
     probe.decode("a", 0, 2)
 
 

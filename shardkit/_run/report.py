@@ -17,11 +17,17 @@ from shardkit._version import __version__
 __all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure", "report_document"]
 
 
-def coverage_table(result: FuzzResult) -> str:
-    """(operation, outcome) counts, one operation per line."""
+def coverage_by_operation(result: FuzzResult) -> dict[str, dict[str, int]]:
+    """The (operation, outcome) counts grouped by operation, both sorted."""
     by_op: dict[str, dict[str, int]] = {}
     for (op, outcome), count in sorted(result.coverage.items()):
         by_op.setdefault(op, {})[outcome] = count
+    return by_op
+
+
+def coverage_table(result: FuzzResult) -> str:
+    """(operation, outcome) counts, one operation per line."""
+    by_op = coverage_by_operation(result)
     width = max((len(op) for op in by_op), default=0)
     lines = []
     for op, outcomes in by_op.items():
@@ -119,9 +125,7 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
 
 def report_document(result: FuzzResult) -> dict[str, Any]:
     """The ``--report`` JSON (contract §6); its keys are a stable schema."""
-    coverage: dict[str, dict[str, int]] = {}
-    for (op, outcome), count in sorted(result.coverage.items()):
-        coverage.setdefault(op, {})[outcome] = count
+    coverage = coverage_by_operation(result)
     failures = []
     if result.failure is not None:
         records = result.failure.records
