@@ -174,6 +174,12 @@ def _parser() -> _Parser:
         metavar="TARGET",
         help="build the twin oracle from this engine instead: fuzz TARGET differentially against it",
     )
+    fuzz.add_argument(
+        "--machine",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="fuzz with this ShardMachine subclass: the rules and model extended for a backend (docs/extending.md)",
+    )
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
     _isolation_options(fuzz)
@@ -347,6 +353,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             faults=args.faults,
             twins=not args.no_twins,
             reference=args.reference,
+            **({"base": args.machine} if args.machine is not None else {}),
             isolate=args.isolate,
             step_timeout=args.step_timeout,
             worker_memory_mb=args.worker_memory,
@@ -358,8 +365,9 @@ def _fuzz(args: argparse.Namespace) -> int:
         _check_report_file(args.report)
     _check_isolation_options("fuzz", args, args.target)
     target = resolve_target(args.target)
+    machine = f" --machine {args.machine}" if args.machine is not None else ""
     isolation = " --isolate" if args.isolate else ""
-    print(f"shardkit fuzz {target.name} --seed {seed}{isolation}", flush=True)
+    print(f"shardkit fuzz {target.name} --seed {seed}{machine}{isolation}", flush=True)
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:

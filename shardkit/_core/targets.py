@@ -41,6 +41,7 @@ __all__ = [
     "check_seconds",
     "check_step_timeout",
     "describe_exception",
+    "import_named",
     "import_target",
     "is_loopback",
     "is_remote_address",
@@ -270,25 +271,35 @@ def import_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarge
             raise InvalidTarget(message)
         name = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
         return ResolvedTarget(name, target)
-    module_part, colon, attr = target.rpartition(":")
-    if not colon or not module_part or not attr:
-        message = f"engine target {target!r} must look like 'package.module:factory' or 'path/to/file.py:factory'"
-        raise InvalidTarget(message)
-    module = _import_file(module_part, target) if module_part.endswith(".py") else _import_module(module_part, target)
-    factory: object = module
-    for part in attr.split("."):
-        try:
-            factory = getattr(factory, part)
-        except AttributeError:
-            message = f"engine target {target!r}: {module_part} has no attribute {attr!r}"
-            raise InvalidTarget(message) from None
+    factory = import_named(target, "engine target", "'package.module:factory' or 'path/to/file.py:factory'")
     if not callable(factory):
         message = f"engine target {target!r} names a {type(factory).__name__}, which is not callable"
         raise InvalidTarget(message)
     return ResolvedTarget(target, factory)
 
 
-def _import_module(name: str, target: str) -> object:
+def import_named(target: str, what: str, shapes: str) -> object:
+    """The object a ``module:attr`` or ``file.py:attr`` string names; ``what`` and
+    ``shapes`` (the accepted forms) name it in the ``InvalidTarget`` raised otherwise."""
+    module_part, colon, attr = target.rpartition(":")
+    if not colon or not module_part or not attr:
+        message = f"{what} {target!r} must look like {shapes}"
+        raise InvalidTarget(message)
+    if module_part.endswith(".py"):
+        module = _import_file(module_part, target, what)
+    else:
+        module = _import_module(module_part, target, what)
+    found: object = module
+    for part in attr.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            message = f"{what} {target!r}: {module_part} has no attribute {attr!r}"
+            raise InvalidTarget(message) from None
+    return found
+
+
+def _import_module(name: str, target: str, what: str) -> object:
     try:
         try:
             return importlib.import_module(name)
@@ -297,10 +308,10 @@ def _import_module(name: str, target: str) -> object:
                 raise
             return importlib.import_module(name)
     except ImportError as error:
-        message = f"engine target {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
+        message = f"{what} {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
         raise InvalidTarget(message) from error
     except Exception as error:
-        message = f"engine target {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
+        message = f"{what} {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
 
 
@@ -330,17 +341,17 @@ def _same_folder(entry: str, folder: str) -> bool:
         return False
 
 
-def _import_file(path_text: str, target: str) -> object:
+def _import_file(path_text: str, target: str, what: str) -> object:
     path = Path(path_text).resolve()
     if not path.is_file():
-        message = f"engine target {target!r}: no file at {path_text!r}"
+        message = f"{what} {target!r}: no file at {path_text!r}"
         raise InvalidTarget(message)
     module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path)))}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        message = f"engine target {target!r}: {path_text!r} cannot be loaded as a Python module"
+        message = f"{what} {target!r}: {path_text!r} cannot be loaded as a Python module"
         raise InvalidTarget(message)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -348,6 +359,6 @@ def _import_file(path_text: str, target: str) -> object:
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
-        message = f"engine target {target!r}: importing {path_text!r} raised {type(error).__name__}: {error}"
+        message = f"{what} {target!r}: importing {path_text!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
     return module
