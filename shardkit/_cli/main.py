@@ -202,8 +202,8 @@ def _parser() -> _Parser:
 
     bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    bench.add_argument("--examples", type=_positive_int("--examples"), default=200, help="examples per run (200)")
-    bench.add_argument("--steps", type=_positive_int("--steps"), default=50, help="steps per example (50)")
+    bench.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples per run ({defaults.examples})")
+    bench.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
     bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
     bench.add_argument(
         "--memory",

@@ -11,6 +11,7 @@ from typing import Any
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout, import_named
 from shardkit._machine.build import parse_faults
+from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.trace import importable_name
 from shardkit.contract import FAULT_KINDS, ROLES, Role
@@ -61,8 +62,8 @@ class FuzzOptions:
     the work by counts.
     """
 
-    examples: int = 200
-    steps: int = 50
+    examples: int = DEFAULT_EXAMPLES
+    steps: int = DEFAULT_STEPS
     role: Role | None = None
     faults: str = "all"
     twins: bool = True
