@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -44,7 +46,7 @@ ALLOWED_OUTCOMES = {
 
 @pytest.mark.parametrize("engine", PLANTED, ids=lambda engine: engine.__name__)
 def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
-    engine: type[PlantedEngine], planted_runs: dict[type[PlantedEngine], FuzzResult]
+    engine: type[PlantedEngine], planted_runs: Mapping[type[PlantedEngine], FuzzResult]
 ) -> None:
     result = planted_runs[engine]
     assert result.failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
