@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from io import StringIO
 
 import pytest
 from hypothesis import settings
@@ -10,6 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
 from shardkit._machine.state_machine import RunObserver, observed
+from shardkit._run.report import print_summary
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from tests.planted import PLANTED, PlantedEngine, names_its_property
@@ -244,3 +246,25 @@ def test_rounding_noise_is_not_taken_for_a_detected_corruption() -> None:
         result = fuzz(NumpyCorruptsNothing, seed=3, examples=100, steps=30, role=role, faults="malformed_output")
         assert result.failure is not None, role
         assert result.failure.violation.property == "§4 malformed_output", result.failure.violation.message
+
+
+def test_a_check_the_run_could_not_make_is_listed_under_the_coverage() -> None:
+    """An engine that loads only its whole range cannot be split into a pipeline of twins:
+    the run says composition went unchecked, instead of passing in silence."""
+    from shardkit import EngineError, LoadRequest, LoadResult, StatusCode, StructuredStatus
+
+    class WholeOnly(FakeShardEngine):
+        def load(self, request: LoadRequest) -> LoadResult:
+            if (request.shard_start, request.shard_end) != (0, request.total_layers - 1):
+                raise EngineError(StructuredStatus(StatusCode.INVALID_ARGUMENT, "whole model only"))
+            return super().load(request)
+
+    result = fuzz(WholeOnly, seed=1, examples=30, steps=20, role="full")
+    assert result.failure is None
+    ((caveat, examples),) = result.caveats.items()
+    assert caveat.startswith("composition (docs/contract.md#composition): the engine cannot load a split")
+    assert 0 < examples <= result.examples
+    printed = StringIO()
+    print_summary(result, printed)
+    assert f"not checked in {examples} of {result.examples} examples: {caveat}" in printed.getvalue()
+    assert fuzz(FakeShardEngine, seed=1, examples=30, steps=20, role="full").caveats == {}

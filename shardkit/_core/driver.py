@@ -107,6 +107,9 @@ class Driver(FaultSteps):
         self.split_twins = True
         self.records: list[StepRecord] = []
         self.notes: list[str] = []
+        #: Checks this example could not make (the run's summary lists them): a user must
+        #: not read a clean run as covering what was never checked.
+        self.caveats: set[str] = set()
         self._step: tuple[int, Action] = (0, Action("load", {}))
         self._start_engine()
 

@@ -116,6 +116,8 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
     print(counts_line(result), file=out)
     print("coverage (operation → outcome counts):", file=out)
     print(coverage_table(result), file=out)
+    for caveat, examples in sorted(result.caveats.items()):
+        print(f"not checked in {examples} of {result.examples} examples: {caveat}", file=out)
     if result.failure is None:
         print("no failure found", file=out)
         return

@@ -15,6 +15,7 @@ import io
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,12 +103,14 @@ def run_machine(
     started = time.perf_counter()
     first_failure: list[tuple[int, float, int]] = []
     before_shrinking = (0, 0)
+    caveats_before_shrinking: Counter[str] = Counter()
 
     def on_failure(failure: FailureReport) -> None:
         nonlocal before_shrinking
         if not first_failure:
             first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
             before_shrinking = (stats.examples, stats.steps)
+            caveats_before_shrinking.update(stats.caveats)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
@@ -157,6 +160,7 @@ def run_machine(
         elapsed_s=time.perf_counter() - started,
         coverage=stats.coverage,
         failure=failure,
+        caveats=caveats_before_shrinking if first_failure else stats.caveats,
         hypothesis_output=captured.getvalue(),
         faults=machine.fault_kinds,
         hypothesis_failure=stats.failure,
