@@ -268,3 +268,15 @@ def test_a_check_the_run_could_not_make_is_listed_under_the_coverage() -> None:
     print_summary(result, printed)
     assert f"not checked in {examples} of {result.examples} examples: {caveat}" in printed.getvalue()
     assert fuzz(FakeShardEngine, seed=1, examples=30, steps=20, role="full").caveats == {}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_counts_and_the_coverage_of_a_failing_run_cover_the_same_steps(seed: int) -> None:
+    """Both stop at the first failure: the coverage once went on counting the shrinker's
+    replays, so a report said "195 steps" above a table of thousands."""
+    from tests.planted import ReleaseLeaksKvTokens
+
+    result = fuzz(ReleaseLeaksKvTokens, seed=seed, examples=200, steps=50)
+    assert result.failure is not None
+    assert result.shrink_steps > 0
+    assert sum(result.coverage.values()) == result.steps

@@ -104,6 +104,7 @@ def run_machine(
     first_failure: list[tuple[int, float, int]] = []
     before_shrinking = (0, 0)
     caveats_before_shrinking: Counter[str] = Counter()
+    coverage_before_shrinking: Counter[tuple[str, str]] = Counter()
 
     def on_failure(failure: FailureReport) -> None:
         nonlocal before_shrinking
@@ -111,6 +112,7 @@ def run_machine(
             first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
             before_shrinking = (stats.examples, stats.steps)
             caveats_before_shrinking.update(stats.caveats)
+            coverage_before_shrinking.update(stats.coverage)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
@@ -158,7 +160,9 @@ def run_machine(
         examples=examples,
         steps=steps,
         elapsed_s=time.perf_counter() - started,
-        coverage=stats.coverage,
+        # The counts, the coverage and the caveats all cover the same examples: those run
+        # until the first failure (shrinking replays variants of it, it explores nothing).
+        coverage=coverage_before_shrinking if first_failure else stats.coverage,
         failure=failure,
         caveats=caveats_before_shrinking if first_failure else stats.caveats,
         hypothesis_output=captured.getvalue(),
