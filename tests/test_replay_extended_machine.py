@@ -233,3 +233,20 @@ def test_fuzz_from_python_prints_the_machine_in_its_rerun_command() -> None:
     assert result.rerun_command.endswith(f" --machine {MODULE}:RollbackMachine")
     result = fuzz(RollbackKeepsTokens, seed=3, examples=5, steps=5, role="full", base=f"{MODULE}:RollbackMachine")
     assert result.rerun_command.endswith(f" --machine {MODULE}:RollbackMachine")
+
+
+@pytest.mark.parametrize(
+    ("engine", "machine"),
+    [
+        (f"{MODULE}:RollbackEngine", "stateful/test_extending_rules.py:RollbackMachine"),
+        ("stateful/test_extending_rules.py:RollbackEngine", f"{MODULE}:RollbackMachine"),
+    ],
+)
+def test_an_engine_and_a_machine_named_in_different_forms_share_one_module(
+    engine: str, machine: str, repo_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A module imported twice (by name and from its file) held two RollbackEngine classes:
+    the rule's isinstance check then failed on a correct engine, a false alarm."""
+    monkeypatch.chdir(repo_root)
+    result = fuzz(engine, seed=1, examples=30, steps=30, role="full", base=machine, out=tmp_path)
+    assert result.failure is None, result.failure.violation.message if result.failure else ""

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 from shardkit.contract import EngineError, ShardEngine
@@ -302,17 +303,46 @@ def import_named(target: str, what: str, shapes: str) -> object:
 def _import_module(name: str, target: str, what: str) -> object:
     try:
         try:
-            return importlib.import_module(name)
+            return _module_by_name(name)
         except ModuleNotFoundError as error:
             if not _from_current_folder(name, error):
                 raise
-            return importlib.import_module(name)
+            return _module_by_name(name)
     except ImportError as error:
         message = f"{what} {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
         raise InvalidTarget(message) from error
     except Exception as error:
         message = f"{what} {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
+
+
+def _module_by_name(name: str) -> object:
+    """``name`` imported, unless its file was already loaded as a ``file.py:attr`` target:
+    then that module, so that an engine and a machine named in different forms share one
+    copy of their classes (a second copy would fail every ``isinstance`` between them)."""
+    if name not in sys.modules:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.has_location and spec.origin is not None:
+            loaded = _loaded_from(Path(spec.origin).resolve())
+            if loaded is not None:
+                return loaded
+    return importlib.import_module(name)
+
+
+def _loaded_from(path: Path) -> ModuleType | None:
+    """A module already imported from the file at ``path`` (resolved), if any."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.basename(file) == path.name and _same_file(file, path):
+            return module
+    return None
+
+
+def _same_file(file: str, path: Path) -> bool:
+    try:
+        return Path(file).resolve() == path
+    except (OSError, RuntimeError):
+        return False
 
 
 def _from_current_folder(name: str, error: ModuleNotFoundError) -> bool:
@@ -349,6 +379,15 @@ def _import_file(path_text: str, target: str, what: str) -> object:
     module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path)))}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    loaded = _loaded_from(path)
+    if loaded is not None:
+        return loaded  # already imported by its module name: one copy of its classes
+    # As ``python file.py`` does, its folder is on the path, so that it imports its neighbours
+    # (last, so that it shadows nothing installed; worker processes inherit it).
+    folder = str(path.parent)
+    if not any(entry == folder or _same_folder(entry, folder) for entry in sys.path if entry):
+        sys.path.append(folder)
+        importlib.invalidate_caches()
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         message = f"{what} {target!r}: {path_text!r} cannot be loaded as a Python module"
