@@ -195,7 +195,7 @@ def test_shardkit_fuzz_runs_an_extended_machine_and_prints_a_rerun_that_names_it
     arguments = ["fuzz", engine, "--machine", machine, "--role", "full", "--seed", "3", "--out", str(tmp_path)]
     assert main(arguments) == 1
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == f"shardkit fuzz {engine} --seed 3 --machine {machine}"
+    assert out.splitlines()[0] == f"shardkit fuzz {engine} --seed 3 --role full --machine {machine}"
     assert "FAILURE (§2 metrics) in 3 steps:" in out
     rerun = f"shardkit fuzz {engine} --seed 3 --role full --machine {machine}"
     assert rerun in out

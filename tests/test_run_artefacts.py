@@ -250,3 +250,16 @@ def test_out_may_be_given_as_a_string(tmp_path: Path) -> None:
     assert result.trace_path is not None
     assert result.trace_path.parent == tmp_path / "out"
     assert result.trace_path.is_file()
+
+
+def test_the_printed_test_command_says_when_pytest_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's first command installs no pytest: the printed command must not fail unexplained."""
+    from shardkit._run import report
+    from tests.planted import CancelLeaksKvTokens
+
+    result = fuzz(CancelLeaksKvTokens, seed=3, examples=50, steps=30, role="full", out=tmp_path)
+    (line,) = [line for line in report.render_failure(result).splitlines() if "as a test:" in line]
+    assert not line.endswith("(pytest is not installed here: pip install pytest)")
+    monkeypatch.setattr(report, "_has_pytest", lambda: False)
+    (line,) = [line for line in report.render_failure(result).splitlines() if "as a test:" in line]
+    assert line.endswith("(pytest is not installed here: pip install pytest)")

@@ -365,9 +365,13 @@ def _fuzz(args: argparse.Namespace) -> int:
         _check_report_file(args.report)
     _check_isolation_options("fuzz", args, args.target)
     target = resolve_target(args.target)
-    machine = f" --machine {args.machine}" if args.machine is not None else ""
-    isolation = " --isolate" if args.isolate else ""
-    print(f"shardkit fuzz {target.name} --seed {seed}{machine}{isolation}", flush=True)
+    isolation = None
+    if args.isolate:
+        timeout = IsolationOptions().step_timeout if args.step_timeout is None else args.step_timeout
+        isolation = IsolationOptions(timeout, args.worker_memory)
+    # The whole command at once, as the summary's rerun line will print it: a run cut short
+    # (a killed CI job) can be rerun from this line alone.
+    print(options.command(target.name, seed, args.reference, isolation), flush=True)
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from collections.abc import Sequence
@@ -49,6 +50,11 @@ def failure_lines(property_label: str, records: Sequence[StepRecord], message: s
     return lines
 
 
+def _has_pytest() -> bool:
+    """Whether the printed ``pytest`` command can run in this environment."""
+    return importlib.util.find_spec("pytest") is not None
+
+
 def render_failure(result: FuzzResult) -> str:
     """The minimal steps, expected vs observed, and every way to rerun the failure."""
     failure = result.failure
@@ -70,7 +76,8 @@ def render_failure(result: FuzzResult) -> str:
         if result.trace_path is not None:
             lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}")
         if result.regression_path is not None:
-            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}")
+            missing = "" if _has_pytest() else "  (pytest is not installed here: pip install pytest)"
+            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}{missing}")
     if result.rerun_command:
         lines.append(f"  the whole run:   {result.rerun_command}")
     if result.blob is not None:
