@@ -11,10 +11,11 @@ none of which copies the kit, all imported from ``shardkit`` itself:
 2. the **step** — a ``CustomOp`` that says how to call the engine and the model
    from the step's plain arguments (so traces of it replay);
 3. the **rule** — subclass ``ShardMachine``, register the op in ``custom_ops``,
-   and add one ``@step_rule`` that draws small integers and derives the step
+   name the model in ``model_factory``, and add one ``@step_rule`` that draws small integers and derives the step
    from the model's state, like the built-in rules do.
 
-``machine_for(engine, model=..., base=...)`` then fuzzes the backend with every
+``machine_for(engine, base=...)`` (or ``shardkit fuzz ENGINE --machine
+stateful.test_extending_rules:RollbackMachine``) then fuzzes the backend with every
 built-in rule, fault and check, plus the new one. The planted bug at the end
 shows the new rule finding and shrinking a real defect. The engine itself is the
 fake wrapped in a ``DelegatingEngine``, which forwards contract v1 so the wrapper
@@ -214,6 +215,7 @@ def _predict_rollback(model: ReferenceModel, args: Mapping[str, Any]) -> Predict
 
 class RollbackMachine(ShardMachine):
     custom_ops: ClassVar[Mapping[str, CustomOp]] = {"rollback": CustomOp(_call_rollback, _predict_rollback)}
+    model_factory = RollbackModel
 
     @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))
     def rollback(self, session: int, back: int) -> None:
@@ -224,7 +226,7 @@ class RollbackMachine(ShardMachine):
 
 
 CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None)
-_machine = machine_for(RollbackEngine, role="full", model=RollbackModel, base=RollbackMachine, name="Rollback")
+_machine = machine_for(RollbackEngine, role="full", base=RollbackMachine, name="Rollback")
 _machine.TestCase.settings = CI_SETTINGS
 TestRollbackBackend = _machine.TestCase
 
@@ -253,7 +255,7 @@ class RollbackKeepsTokens(RollbackEngine):
 def test_the_new_rule_finds_a_rollback_bug_and_shrinks_it_to_three_steps() -> None:
     """Minimum: prefill step 0, one more step, rollback to step 1 (then metrics disagree)."""
     result = fuzz(
-        RollbackKeepsTokens, seed=3, examples=200, steps=50, role="full", model=RollbackModel, base=RollbackMachine
+        RollbackKeepsTokens, seed=3, examples=200, steps=50, role="full", base=RollbackMachine
     )
     assert result.failure is not None
     assert result.failure.violation.property == "§2 metrics"

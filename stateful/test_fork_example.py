@@ -263,6 +263,7 @@ def _predict_fork(model: ReferenceModel, args: Mapping[str, Any]) -> Prediction:
 
 class ForkMachine(ShardMachine):
     custom_ops: ClassVar[Mapping[str, CustomOp]] = {"fork": CustomOp(_call_fork, _predict_fork)}
+    model_factory = ForkModel
 
     @step_rule(session=st.integers(0, 7), new=st.integers(0, 3), epoch=st.integers(0, 3))
     def fork(self, session: int, new: int, epoch: int) -> None:
@@ -280,7 +281,7 @@ class ForkMachine(ShardMachine):
 
 
 CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None)
-_machine = machine_for(ForkEngine, role="full", model=ForkModel, base=ForkMachine, name="Fork")
+_machine = machine_for(ForkEngine, role="full", base=ForkMachine, name="Fork")
 _machine.TestCase.settings = CI_SETTINGS
 TestForkBackend = _machine.TestCase
 
@@ -316,7 +317,6 @@ def planted_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, FuzzResu
             examples=EXAMPLES,
             steps=50,
             role="full",
-            model=ForkModel,
             base=ForkMachine,
             out=tmp_path_factory.mktemp(f"fork-seed-{seed}"),
         )

@@ -532,3 +532,23 @@ def test_bench_with_a_planted_module_that_cannot_serve_exits_2_before_measuring(
     assert f"--planted '{module}'" in line
     assert expected in line
     assert out == ""
+
+
+def test_a_target_file_imports_its_neighbours_as_a_script_would(tmp_path: Path) -> None:
+    """``my_buggy.py`` doing ``from my_engine import …`` once failed with "No module named
+    'my_engine'" unless run from its folder: a file target's folder is on the path, as for
+    ``python file.py``."""
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    (engines / "my_engine_for_the_neighbour_test.py").write_text(
+        "from shardkit import FakeShardEngine\n\nclass Mine(FakeShardEngine):\n    pass\n"
+    )
+    (engines / "my_child.py").write_text(
+        "from my_engine_for_the_neighbour_test import Mine\n\nclass Child(Mine):\n    pass\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = [sys.executable, "-m", "shardkit", "fuzz", str(engines / "my_child.py") + ":Child", *SMALL]
+    completed = subprocess.run(command, cwd=elsewhere, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "no failure found" in completed.stdout

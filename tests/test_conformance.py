@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import ClassVar
+
 import pytest
 
-from shardkit import ContractViolation, FakeShardEngine, ShardkitError, assert_shard_engine_contract
+from shardkit import (
+    ContractViolation,
+    DecodeRequest,
+    EngineCapabilities,
+    FakeShardEngine,
+    PrefillRequest,
+    ShardkitError,
+    StepResult,
+    TokenOutput,
+    assert_shard_engine_contract,
+)
 from shardkit._core.conformance import CONTRACT_CHECKS
 from tests.planted import PLANTED, PlantedEngine
 
@@ -76,3 +89,44 @@ def test_role_checks_are_skipped_with_a_reason_for_an_engine_that_serves_only_it
     skipped = assert_shard_engine_contract(WholeOnly)
     assert len(skipped) == 3
     assert all(reason.endswith("INVALID_ARGUMENT: whole model only") for reason in skipped)
+
+
+class _SecondSessionAnswersOneTokenOff(FakeShardEngine):
+    """The session named ``second-session`` gets the next token id, with ``MARGIN`` as its
+    margin, under a tolerance of 1e-4 (below the fake's own margins on the check's inputs):
+    a near tie when ``MARGIN`` is below it."""
+
+    MARGIN: ClassVar[float | None] = None
+
+    def capabilities(self) -> EngineCapabilities:
+        return replace(super().capabilities(), tolerance=1e-4)
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._off(request.session_id, super().prefill(request))
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._off(request.session_id, super().decode(request))
+
+    def _off(self, session_id: str, result: StepResult) -> StepResult:
+        if session_id != "second-session" or not isinstance(result.output, TokenOutput):
+            return result
+        token = (result.output.token_id + 1) % self.capabilities().vocab_size
+        return replace(result, output=TokenOutput(token, margin=self.MARGIN))
+
+
+def test_outputs_that_differ_between_sessions_fail_the_determinism_check() -> None:
+    with pytest.raises(ContractViolation) as raised:
+        assert_shard_engine_contract(_SecondSessionAnswersOneTokenOff)
+    assert raised.value.failed_checks == ("two fresh sessions with the same inputs give the same outputs",)
+    assert "the same inputs in a second session: expected the first session's outputs; observed token" in str(
+        raised.value
+    )
+
+
+def test_a_token_that_flips_in_a_near_tie_passes_the_contract_as_it_passes_the_fuzzer() -> None:
+    """The conformance check once compared tokens exactly, stricter than the machine's own check."""
+
+    class NearTie(_SecondSessionAnswersOneTokenOff):
+        MARGIN = 1e-5
+
+    assert assert_shard_engine_contract(NearTie) == []

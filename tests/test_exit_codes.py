@@ -341,7 +341,7 @@ def test_a_report_that_cannot_be_written_after_a_failure_still_exits_1(
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr("shardkit._cli.main.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._cli.fuzz.write_atomically", disk_full)
     report = tmp_path / "report.json"
     argv = ["fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", tmp_path / "out", "--report", report]
     code, out, err = run(capsys, *argv)
@@ -356,7 +356,7 @@ def test_a_report_that_cannot_be_written_without_a_failure_exits_2(
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr("shardkit._cli.main.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._cli.fuzz.write_atomically", disk_full)
     report = tmp_path / "report.json"
     code, out, err = run(capsys, "fuzz", "--seed", "1", *SMALL, "--out", tmp_path, "--report", report)
     assert "no failure found" in out

@@ -171,6 +171,21 @@ def test_a_corruption_of_huge_residuals_at_the_boundary_is_detected() -> None:
     assert "detected" in driver.execute(prefill("a", 0, [1, 2])).observed
 
 
+class HugeResidualsCorruptedNatively(HugeResiduals):
+    """The same engine, corrupting its own output: the engine base's native malformed_output fault."""
+
+    def capabilities(self) -> EngineCapabilities:
+        return FakeShardEngine.capabilities(self)
+
+
+def test_a_native_corruption_of_huge_residuals_is_detected() -> None:
+    """The engine base and the boundary share one corruption guard; the base once had no finiteness check."""
+    assert "malformed_output" in HugeResidualsCorruptedNatively().capabilities().supported_faults
+    driver = driver_for(HugeResidualsCorruptedNatively, HEAD)
+    driver.execute(fault("malformed_output"))
+    assert "detected" in driver.execute(prefill("a", 0, [1, 2])).observed
+
+
 # --- near ties: a correct engine's token may flip where its margin is below the tolerance ------
 
 

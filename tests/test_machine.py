@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from io import StringIO
+
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
 from shardkit._machine.state_machine import RunObserver, observed
+from shardkit._run.report import print_summary
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from tests.planted import PLANTED, PlantedEngine, names_its_property
@@ -44,7 +48,7 @@ ALLOWED_OUTCOMES = {
 
 @pytest.mark.parametrize("engine", PLANTED, ids=lambda engine: engine.__name__)
 def test_each_planted_bug_is_found_named_and_shrunk_to_its_minimum(
-    engine: type[PlantedEngine], planted_runs: dict[type[PlantedEngine], FuzzResult]
+    engine: type[PlantedEngine], planted_runs: Mapping[type[PlantedEngine], FuzzResult]
 ) -> None:
     result = planted_runs[engine]
     assert result.failure is not None, f"{engine.__name__} ({engine.BUG}) was not found"
@@ -242,3 +246,37 @@ def test_rounding_noise_is_not_taken_for_a_detected_corruption() -> None:
         result = fuzz(NumpyCorruptsNothing, seed=3, examples=100, steps=30, role=role, faults="malformed_output")
         assert result.failure is not None, role
         assert result.failure.violation.property == "§4 malformed_output", result.failure.violation.message
+
+
+def test_a_check_the_run_could_not_make_is_listed_under_the_coverage() -> None:
+    """An engine that loads only its whole range cannot be split into a pipeline of twins:
+    the run says composition went unchecked, instead of passing in silence."""
+    from shardkit import EngineError, LoadRequest, LoadResult, StatusCode, StructuredStatus
+
+    class WholeOnly(FakeShardEngine):
+        def load(self, request: LoadRequest) -> LoadResult:
+            if (request.shard_start, request.shard_end) != (0, request.total_layers - 1):
+                raise EngineError(StructuredStatus(StatusCode.INVALID_ARGUMENT, "whole model only"))
+            return super().load(request)
+
+    result = fuzz(WholeOnly, seed=1, examples=30, steps=20, role="full")
+    assert result.failure is None
+    ((caveat, examples),) = result.caveats.items()
+    assert caveat.startswith("composition (docs/contract.md#composition): the engine cannot load a split")
+    assert 0 < examples <= result.examples
+    printed = StringIO()
+    print_summary(result, printed)
+    assert f"not checked in {examples} of {result.examples} examples: {caveat}" in printed.getvalue()
+    assert fuzz(FakeShardEngine, seed=1, examples=30, steps=20, role="full").caveats == {}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_counts_and_the_coverage_of_a_failing_run_cover_the_same_steps(seed: int) -> None:
+    """Both stop at the first failure: the coverage once went on counting the shrinker's
+    replays, so a report said "195 steps" above a table of thousands."""
+    from tests.planted import ReleaseLeaksKvTokens
+
+    result = fuzz(ReleaseLeaksKvTokens, seed=seed, examples=200, steps=50)
+    assert result.failure is not None
+    assert result.shrink_steps > 0
+    assert sum(result.coverage.values()) == result.steps

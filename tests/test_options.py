@@ -20,6 +20,7 @@ from shardkit.errors import UsageError
         ({"faults": "flood"}, "faults (--faults)"),
         ({"step_timeout": 0.0}, "step_timeout (--step-timeout)"),
         ({"worker_memory_mb": 0}, "worker_memory_mb (--worker-memory)"),
+        ({"base": int}, "base (--machine)"),
     ],
 )
 def test_a_bad_option_is_a_usage_error_naming_it_and_the_value(changes: dict[str, object], named: str) -> None:
@@ -54,3 +55,19 @@ def test_fuzz_takes_options_or_their_fields_by_name_and_refuses_unknown_ones() -
     assert from_fields.rerun_command.endswith("--examples 5 --steps 5 --faults none")
     with pytest.raises(UsageError, match=r"unknown fuzz option.*exmaples"):
         fuzz("shardkit:FakeShardEngine", seed=3, exmaples=5)
+
+
+def test_the_rerun_command_says_when_the_command_line_cannot_name_the_rules() -> None:
+    from shardkit import ReferenceModel, ShardMachine
+
+    class LocalMachine(ShardMachine):
+        pass
+
+    class LocalModel(ReferenceModel):
+        pass
+
+    local = FuzzOptions(base=LocalMachine).command("t:f", 7, None, None)
+    assert local.endswith("# needs the machine test_the_rerun_command_says_when_the_command_line_cannot_name_the_rules.<locals>.LocalMachine, which cannot be imported by name: rerun from Python")
+    model = FuzzOptions(model=LocalModel).command("t:f", 7, None, None)
+    assert model.startswith("shardkit fuzz t:f --seed 7  # needs the model ")
+    assert FuzzOptions(model=ReferenceModel).command("t:f", 7, None, None) == "shardkit fuzz t:f --seed 7"

@@ -343,6 +343,22 @@ def test_fuzzing_a_served_planted_bug_finds_the_same_minimal_failure_as_in_proce
     assert main(["replay", str(remote.trace_path)]) == 1  # the trace names the grpc:// target
 
 
+def test_an_isolated_trace_replays_against_a_served_engine_with_its_own_deadline(
+    served: Callable[..., EngineServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``replay --engine grpc://… --step-timeout S`` of a trace found with --isolate once ended
+    in an internal ValueError, and said the engine ran "in a worker process"."""
+    target = "tests.planted:ReleaseLeaksKvTokens"
+    isolated = fuzz(target, seed=1, examples=50, steps=30, isolate=True, out=tmp_path)
+    assert isolated.trace_path is not None
+    url = served(target).url
+    for deadline in ([], ["--step-timeout", "2"]):
+        assert main(["replay", str(isolated.trace_path), "--engine", url, *deadline]) == 1
+        first, *rest = capsys.readouterr().out.splitlines()
+        assert first == f"replaying against {url} (named by you)"
+        assert rest[0] == "FAILURE (§2 metrics) in 2 steps:"
+
+
 def test_fuzzing_the_served_fake_behaves_exactly_like_in_process_and_costs_this_much(
     served: Callable[..., EngineServer], capsys: pytest.CaptureFixture[str]
 ) -> None:

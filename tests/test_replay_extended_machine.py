@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit import TraceFormatError, machine_for, replay
+from shardkit import ReferenceModel, TraceFormatError, machine_for, replay
 from shardkit._cli.main import main
 from shardkit._run.report import render_failure
 from shardkit._run.result import FuzzResult
@@ -28,6 +28,14 @@ from shardkit._run.trace import trace_document
 from stateful.test_extending_rules import RollbackKeepsTokens, RollbackMachine, RollbackModel
 
 MODULE = "stateful.test_extending_rules"
+HERE = "tests.test_replay_extended_machine"
+
+
+class RollbackRuleAlone(RollbackMachine):
+    """The example's rule without its model, which a run then gives separately (``model=``):
+    the trace must name both."""
+
+    model_factory = ReferenceModel
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,7 @@ def rollback_run(tmp_path_factory: pytest.TempPathFactory) -> FuzzResult:
         steps=50,
         role="full",
         model=RollbackModel,
-        base=RollbackMachine,
+        base=RollbackRuleAlone,
         out=tmp_path_factory.mktemp("rollback"),
     )
     assert result.failure is not None
@@ -64,7 +72,7 @@ def _pytest_from(folder: Path, *args: str, pythonpath: Path | None = None) -> su
 
 def test_the_trace_names_the_machine_and_the_model(rollback_run: FuzzResult, repo_root: Path) -> None:
     document = json.loads(_trace(rollback_run).read_text())
-    assert document["machine"] == f"{MODULE}:RollbackMachine"
+    assert document["machine"] == f"{HERE}:RollbackRuleAlone"
     assert document["model"] == f"{MODULE}:RollbackModel"
     assert document["machine_path"] == str(repo_root)
     assert "needs_python" not in document
@@ -78,7 +86,7 @@ def test_shardkit_replay_rebuilds_the_machine_and_reproduces(
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert first.startswith(f"replaying against {MODULE}:RollbackKeepsTokens (recorded in the trace")
-    assert f"machine {MODULE}:RollbackMachine (recorded in the trace" in first
+    assert f"machine {HERE}:RollbackRuleAlone (recorded in the trace" in first
     assert f"model {MODULE}:RollbackModel (recorded in the trace" in first
     assert rollback_run.failure is not None
     # The whole sequence as fuzz printed it: the header, then the violation indented as render_failure does.
@@ -176,3 +184,69 @@ def test_a_plain_machine_records_no_machine(rollback_run: FuzzResult) -> None:
         machine=machine,
     )
     assert not {"machine", "model", "needs_python"} & set(document)
+
+
+def test_shardkit_fuzz_runs_an_extended_machine_and_prints_a_rerun_that_names_it(
+    tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--machine`` on the command line: the rule finds the planted bug, the printed command reruns it."""
+    monkeypatch.chdir(repo_root)
+    engine, machine = f"{MODULE}:RollbackKeepsTokens", f"{MODULE}:RollbackMachine"
+    arguments = ["fuzz", engine, "--machine", machine, "--role", "full", "--seed", "3", "--out", str(tmp_path)]
+    assert main(arguments) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"shardkit fuzz {engine} --seed 3 --role full --machine {machine}"
+    assert "FAILURE (§2 metrics) in 3 steps:" in out
+    rerun = f"shardkit fuzz {engine} --seed 3 --role full --machine {machine}"
+    assert rerun in out
+    (trace,) = tmp_path.glob("*.json")
+    document = json.loads(trace.read_text())
+    assert document["machine"] == machine
+    assert "model" not in document  # the machine brings it: model_factory
+    assert main([*rerun.split()[1:], "--out", str(tmp_path / "again")]) == 1
+    assert "FAILURE (§2 metrics) in 3 steps:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("machine", "complaint"),
+    [
+        (f"{MODULE}:RollbackModel", "not a ShardMachine subclass"),
+        (f"{MODULE}:NoSuchMachine", "has no attribute 'NoSuchMachine'"),
+        ("no_such_module_here:Machine", "cannot import 'no_such_module_here'"),
+        ("RollbackMachine", "must look like 'package.module:Machine' or 'path/to/file.py:Machine'"),
+    ],
+)
+def test_a_wrong_machine_is_one_line_and_exit_2(
+    machine: str, complaint: str, repo_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(repo_root)
+    assert main(["fuzz", f"{MODULE}:RollbackEngine", "--machine", machine, "--examples", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("shardkit fuzz: --machine ") or line.startswith("shardkit: "), line
+    assert complaint in line, line
+
+
+def test_fuzz_from_python_prints_the_machine_in_its_rerun_command() -> None:
+    result = fuzz(RollbackKeepsTokens, seed=3, examples=200, steps=50, role="full", base=RollbackMachine)
+    assert result.rerun_command.endswith(f" --machine {MODULE}:RollbackMachine")
+    result = fuzz(RollbackKeepsTokens, seed=3, examples=5, steps=5, role="full", base=f"{MODULE}:RollbackMachine")
+    assert result.rerun_command.endswith(f" --machine {MODULE}:RollbackMachine")
+
+
+@pytest.mark.parametrize(
+    ("engine", "machine"),
+    [
+        (f"{MODULE}:RollbackEngine", "stateful/test_extending_rules.py:RollbackMachine"),
+        ("stateful/test_extending_rules.py:RollbackEngine", f"{MODULE}:RollbackMachine"),
+    ],
+)
+def test_an_engine_and_a_machine_named_in_different_forms_share_one_module(
+    engine: str, machine: str, repo_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A module imported twice (by name and from its file) held two RollbackEngine classes:
+    the rule's isinstance check then failed on a correct engine, a false alarm."""
+    monkeypatch.chdir(repo_root)
+    result = fuzz(engine, seed=1, examples=30, steps=30, role="full", base=machine, out=tmp_path)
+    assert result.failure is None, result.failure.violation.message if result.failure else ""

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from shardkit._run.runner import fuzz
 from shardkit.errors import UntrustedTarget
 from tests.planted import PLANTED, PlantedEngine
 
-PlantedRuns = dict[type[PlantedEngine], FuzzResult]
+PlantedRuns = Mapping[type[PlantedEngine], FuzzResult]
 
 
 def _trace(result: FuzzResult) -> Path:

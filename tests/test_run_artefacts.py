@@ -240,3 +240,26 @@ def test_step_notes_describe_each_step_as_it_runs_not_as_it_was_drawn() -> None:
     assert note(step_action("decode", "b", 2, 1, (0,))) == "cancelled session"
     assert note(Action("cancel", {"session": "", "epoch": 0})) == "empty session id"
     assert note(Action("fault", {"kind": "delay", "value": 0.0}, note="kept")) == "kept"
+
+
+def test_out_may_be_given_as_a_string(tmp_path: Path) -> None:
+    """``fuzz(..., out="folder")`` as a newcomer writes it, not only a ``Path``."""
+    from tests.planted import CancelLeaksKvTokens
+
+    result = fuzz(CancelLeaksKvTokens, seed=3, examples=50, steps=30, role="full", out=str(tmp_path / "out"))
+    assert result.trace_path is not None
+    assert result.trace_path.parent == tmp_path / "out"
+    assert result.trace_path.is_file()
+
+
+def test_the_printed_test_command_says_when_pytest_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's first command installs no pytest: the printed command must not fail unexplained."""
+    from shardkit._run import report
+    from tests.planted import CancelLeaksKvTokens
+
+    result = fuzz(CancelLeaksKvTokens, seed=3, examples=50, steps=30, role="full", out=tmp_path)
+    (line,) = [line for line in report.render_failure(result).splitlines() if "as a test:" in line]
+    assert not line.endswith("(pytest is not installed here: pip install pytest)")
+    monkeypatch.setattr(report, "_has_pytest", lambda: False)
+    (line,) = [line for line in report.render_failure(result).splitlines() if "as a test:" in line]
+    assert line.endswith("(pytest is not installed here: pip install pytest)")

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 from shardkit._core.conformance import assert_shard_engine_contract
 from shardkit._machine.build import build_machine
+from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
@@ -37,8 +38,8 @@ __all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "rende
 
 @dataclass(frozen=True)
 class BenchSettings:
-    examples: int = 200
-    steps: int = 50
+    examples: int = DEFAULT_EXAMPLES
+    steps: int = DEFAULT_STEPS
     seed: int = 1
     #: The planted-bug engines ship with the package (private), so bench runs from an installed wheel.
     planted_module: str | None = "shardkit._planted"

@@ -18,11 +18,12 @@ from shardkit.contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
     EngineCapabilities,
+    MetricsResult,
     StepResult,
     TokenOutput,
 )
 
-__all__ = ["HistoryMemo", "Payload", "output_problems", "payload_difference", "payloads_of"]
+__all__ = ["HistoryMemo", "Payload", "metrics_text", "output_problems", "payload_difference", "payloads_of"]
 
 
 def output_problems(caps: EngineCapabilities, request: StepRequest, result: StepResult) -> list[str]:
@@ -144,3 +145,11 @@ class HistoryMemo:
 
     def remember(self, history: tuple[int, ...], payload: Payload, source: str) -> None:
         self.references.setdefault(history, (payload, source))
+
+
+def metrics_text(metrics: MetricsResult) -> str:
+    """The four counters as every message about metrics shows them."""
+    return (
+        f"prefill_calls={metrics.prefill_calls} decode_calls={metrics.decode_calls} "
+        f"active_sessions={metrics.active_sessions} kv_tokens={metrics.kv_tokens}"
+    )

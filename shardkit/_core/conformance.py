@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
-
-from shardkit._core.checks import output_problems
+from shardkit._core.checks import metrics_text, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, StepRequest
 from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
@@ -25,16 +23,15 @@ from shardkit.contract import (
     DecodeRequest,
     EngineError,
     LoadRequest,
-    MetricsResult,
     PrefillRequest,
     Role,
     StepResult,
+    TokenOutput,
     role_of,
 )
 from shardkit.errors import ContractViolation
 
 __all__ = ["CONTRACT_CHECKS", "assert_shard_engine_contract"]
-
 
 
 class _RoleNotServed(Exception):
@@ -112,7 +109,7 @@ class _Probe:
     def expect_metrics(self, when: str) -> None:
         observed, expected = self.engine.metrics(), self.model.expected_metrics()
         if observed != expected:
-            raise _CheckFailed(f"metrics() {when}", _fmt_metrics(expected), _fmt_metrics(observed))
+            raise _CheckFailed(f"metrics() {when}", metrics_text(expected), metrics_text(observed))
 
     def _inputs(
         self, session_id: str, epoch: int, step: int, count: int, first: int
@@ -128,13 +125,6 @@ def _compare(call: str, predicted: Prediction, observed: StepResult) -> None:
     if (status.code, status.retryable, observed.cache) != (predicted.code, predicted.retryable, predicted.cache):
         message = status.message and f" {status.message!r}"
         raise _CheckFailed(call, str(predicted), f"{_describe_result(observed)}{message}")
-
-
-def _fmt_metrics(metrics: MetricsResult) -> str:
-    return (
-        f"prefill_calls={metrics.prefill_calls} decode_calls={metrics.decode_calls} "
-        f"active_sessions={metrics.active_sessions} kv_tokens={metrics.kv_tokens}"
-    )
 
 
 def _range_for(role: Role, total_layers: int) -> tuple[int, int]:
@@ -215,40 +205,36 @@ def _retry_is_idempotent(make_engine: EngineFactory) -> None:
         raise _CheckFailed("decode(step=1) sent twice", f"the first result again, {first!r}", repr(again))
     after = probe.engine.metrics()
     if (after.kv_tokens, after.active_sessions) != (before.kv_tokens, before.active_sessions):
-        raise _CheckFailed("metrics() after a repeated decode", _fmt_metrics(before), _fmt_metrics(after))
+        raise _CheckFailed("metrics() after a repeated decode", metrics_text(before), metrics_text(after))
     probe.decode("a", 0, 2)
 
 
 def _same_inputs_same_outputs(make_engine: EngineFactory) -> None:
     probe = _Probe(make_engine)
-    outputs: dict[str, list[object]] = {"first": [], "second-session": []}
-    for session_id in outputs:
-        outputs[session_id].append(probe.prefill(session_id, 0, 0, count=3).output)
-        outputs[session_id].append(probe.decode(session_id, 0, 1, first=7).output)
-    first, second = (_payloads(values) for values in outputs.values())
-    if not _payloads_match(first, second, probe.caps.tolerance):
-        raise _CheckFailed("the same inputs in a second session", f"the first session's outputs {first}", str(second))
+    sessions = ("first", "second-session")
+    outputs = {
+        session_id: [probe.prefill(session_id, 0, 0, count=3), probe.decode(session_id, 0, 1, first=7)]
+        for session_id in sessions
+    }
+    for first, second in zip(*outputs.values(), strict=True):
+        # The machine's determinism check, tolerance and near ties included: no stricter here.
+        difference = _payloads_difference(first.output, second.output, probe.caps.tolerance)
+        if difference is not None:
+            raise _CheckFailed("the same inputs in a second session", "the first session's outputs", difference)
 
 
-def _payloads(outputs: list[object]) -> list[object]:
-    """Outputs without the metadata that legitimately differs between sessions."""
-    payloads: list[object] = []
-    for output in outputs:
-        if isinstance(output, BoundaryBundle):
-            payloads.append(output.tensors[0].to_array())
-        else:
-            payloads.append(getattr(output, "token_id", output))
-    return payloads
-
-
-def _payloads_match(first: list[object], second: list[object], tolerance: float) -> bool:
-    for a, b in zip(first, second, strict=True):
-        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-            if a.shape != b.shape or not np.allclose(a, b, rtol=0.0, atol=tolerance):
-                return False
-        elif a != b:
-            return False
-    return True
+def _payloads_difference(first: object, second: object, tolerance: float) -> str | None:
+    if not isinstance(first, BoundaryBundle | TokenOutput) or not isinstance(second, BoundaryBundle | TokenOutput):
+        return None if first == second else f"{second!r}, not {first!r}"
+    everything = 1 << 62  # every row of a bundle
+    expected, observed = payloads_of(first, everything), payloads_of(second, everything)
+    if len(expected) != len(observed):
+        return f"{len(observed)} rows, expected {len(expected)}"
+    for row, (want, got) in enumerate(zip(expected, observed, strict=True)):
+        difference = payload_difference(want, got, tolerance)
+        if difference is not None:
+            return f"at row {row}: {difference}" if isinstance(first, BoundaryBundle) else difference
+    return None
 
 
 def _metrics_after_release(make_engine: EngineFactory) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
-from shardkit._core.checks import HistoryMemo
+from shardkit._core.checks import HistoryMemo, metrics_text
 from shardkit._core.fault_steps import FaultSteps, usable_faults
 from shardkit._core.faults import FaultInjectingEngine
 from shardkit._core.model import Prediction, ReferenceModel
@@ -32,7 +32,6 @@ from shardkit._core.outcomes import (
     StepFailed,
     StepRecord,
     Violation,
-    metrics_text,
     raised,
     status_text,
 )
@@ -108,6 +107,9 @@ class Driver(FaultSteps):
         self.split_twins = True
         self.records: list[StepRecord] = []
         self.notes: list[str] = []
+        #: Checks this example could not make (the run's summary lists them): a user must
+        #: not read a clean run as covering what was never checked.
+        self.caveats: set[str] = set()
         self._step: tuple[int, Action] = (0, Action("load", {}))
         self._start_engine()
 

@@ -12,8 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import numpy as np
-
 from shardkit.contract import (
     RESIDUAL_TENSOR,
     BoundaryBundle,
@@ -28,6 +26,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
+from shardkit.engines._checks import shifted_clearly
 from shardkit.engines.delegating import DelegatingEngine
 from shardkit.errors import InjectedCrash
 
@@ -44,20 +43,13 @@ def corrupt_output(output: BoundaryBundle | TokenOutput, caps: EngineCapabilitie
     """A structurally valid but wrong version of ``output``: another in-vocab token,
     or residual rows whose every value moves by clearly more than the engine's tolerance.
 
-    A value too large for the shift to register in the engine's dtype (float32 cannot
-    add 1 to 2**25) is halved instead, so every value changes and stays finite. With a
+    A value too large for the shift to register is halved instead (``shifted_clearly``). With a
     vocabulary of one token there is no other token: the output comes back unchanged.
     """
     if isinstance(output, TokenOutput):
         return TokenOutput((output.token_id + 1) % max(caps.vocab_size, 1), margin=None)
     rows = output.tensors[0].to_array()
-    shift = _SHIFT + 4.0 * caps.tolerance
-    with np.errstate(over="ignore", invalid="ignore"):
-        shifted = (rows.astype(np.float64) + shift).astype(rows.dtype)
-        moved = np.abs(shifted.astype(np.float64) - rows.astype(np.float64))
-        lost = ~(moved >= shift / 2) | ~np.isfinite(shifted)
-    if lost.any():
-        shifted = np.where(lost, rows / 2, shifted).astype(rows.dtype)
+    shifted = shifted_clearly(rows, _SHIFT + 4.0 * caps.tolerance)
     return replace(output, tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, shifted),))
 
 

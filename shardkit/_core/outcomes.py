@@ -19,7 +19,7 @@ import numpy as np
 from shardkit._core.checks import Payload
 from shardkit._core.steps import Action
 from shardkit._core.targets import ProcessDeath, ResolvedTarget
-from shardkit.contract import CacheResult, LoadRequest, MetricsResult, StepResult, StructuredStatus
+from shardkit.contract import CacheResult, LoadRequest, StepResult, StructuredStatus
 from shardkit.errors import KitBug, ShardkitError
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "StepFailed",
     "StepRecord",
     "Violation",
-    "metrics_text",
     "raised",
     "show",
     "status_text",
@@ -95,13 +94,6 @@ def show(payload: Payload) -> str:
     if isinstance(payload, tuple):
         return f"token {payload[0]}"
     return "row " + np.array2string(payload, precision=4, max_line_width=200)
-
-
-def metrics_text(metrics: MetricsResult) -> str:
-    return (
-        f"prefill_calls={metrics.prefill_calls} decode_calls={metrics.decode_calls} "
-        f"active_sessions={metrics.active_sessions} kv_tokens={metrics.kv_tokens}"
-    )
 
 
 class StepContext:

@@ -60,6 +60,7 @@ class OutputChecks(StepContext):
     differential: bool
     reference: ResolvedTarget
     notes: list[str]
+    caveats: set[str]
 
     def _output_problems(
         self, request: StepRequest, predicted: Prediction, result: StepResult, log: SessionLog, *, strict: bool
@@ -140,7 +141,7 @@ class OutputChecks(StepContext):
                 self.twins[session_id] = twin
                 if twin.pipeline_refused is not None:
                     self.split_twins = False
-                    self.notes.append(f"composition not checked: {twin.pipeline_refused}")
+                    self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
             twin.advance(key, self.memo)
         except OracleFailure as failure:
             if self.differential:

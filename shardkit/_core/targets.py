@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 from shardkit.contract import EngineError, ShardEngine
@@ -41,6 +42,7 @@ __all__ = [
     "check_seconds",
     "check_step_timeout",
     "describe_exception",
+    "import_named",
     "import_target",
     "is_loopback",
     "is_remote_address",
@@ -270,38 +272,77 @@ def import_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarge
             raise InvalidTarget(message)
         name = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
         return ResolvedTarget(name, target)
-    module_part, colon, attr = target.rpartition(":")
-    if not colon or not module_part or not attr:
-        message = f"engine target {target!r} must look like 'package.module:factory' or 'path/to/file.py:factory'"
-        raise InvalidTarget(message)
-    module = _import_file(module_part, target) if module_part.endswith(".py") else _import_module(module_part, target)
-    factory: object = module
-    for part in attr.split("."):
-        try:
-            factory = getattr(factory, part)
-        except AttributeError:
-            message = f"engine target {target!r}: {module_part} has no attribute {attr!r}"
-            raise InvalidTarget(message) from None
+    factory = import_named(target, "engine target", "'package.module:factory' or 'path/to/file.py:factory'")
     if not callable(factory):
         message = f"engine target {target!r} names a {type(factory).__name__}, which is not callable"
         raise InvalidTarget(message)
     return ResolvedTarget(target, factory)
 
 
-def _import_module(name: str, target: str) -> object:
+def import_named(target: str, what: str, shapes: str) -> object:
+    """The object a ``module:attr`` or ``file.py:attr`` string names; ``what`` and
+    ``shapes`` (the accepted forms) name it in the ``InvalidTarget`` raised otherwise."""
+    module_part, colon, attr = target.rpartition(":")
+    if not colon or not module_part or not attr:
+        message = f"{what} {target!r} must look like {shapes}"
+        raise InvalidTarget(message)
+    if module_part.endswith(".py"):
+        module = _import_file(module_part, target, what)
+    else:
+        module = _import_module(module_part, target, what)
+    found: object = module
+    for part in attr.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            message = f"{what} {target!r}: {module_part} has no attribute {attr!r}"
+            raise InvalidTarget(message) from None
+    return found
+
+
+def _import_module(name: str, target: str, what: str) -> object:
     try:
         try:
-            return importlib.import_module(name)
+            return _module_by_name(name)
         except ModuleNotFoundError as error:
             if not _from_current_folder(name, error):
                 raise
-            return importlib.import_module(name)
+            return _module_by_name(name)
     except ImportError as error:
-        message = f"engine target {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
+        message = f"{what} {target!r}: cannot import {name!r} ({error}); is it installed or on PYTHONPATH?"
         raise InvalidTarget(message) from error
     except Exception as error:
-        message = f"engine target {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
+        message = f"{what} {target!r}: importing {name!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
+
+
+def _module_by_name(name: str) -> object:
+    """``name`` imported, unless its file was already loaded as a ``file.py:attr`` target:
+    then that module, so that an engine and a machine named in different forms share one
+    copy of their classes (a second copy would fail every ``isinstance`` between them)."""
+    if name not in sys.modules:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.has_location and spec.origin is not None:
+            loaded = _loaded_from(Path(spec.origin).resolve())
+            if loaded is not None:
+                return loaded
+    return importlib.import_module(name)
+
+
+def _loaded_from(path: Path) -> ModuleType | None:
+    """A module already imported from the file at ``path`` (resolved), if any."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.basename(file) == path.name and _same_file(file, path):
+            return module
+    return None
+
+
+def _same_file(file: str, path: Path) -> bool:
+    try:
+        return Path(file).resolve() == path
+    except (OSError, RuntimeError):
+        return False
 
 
 def _from_current_folder(name: str, error: ModuleNotFoundError) -> bool:
@@ -330,17 +371,26 @@ def _same_folder(entry: str, folder: str) -> bool:
         return False
 
 
-def _import_file(path_text: str, target: str) -> object:
+def _import_file(path_text: str, target: str, what: str) -> object:
     path = Path(path_text).resolve()
     if not path.is_file():
-        message = f"engine target {target!r}: no file at {path_text!r}"
+        message = f"{what} {target!r}: no file at {path_text!r}"
         raise InvalidTarget(message)
     module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path)))}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    loaded = _loaded_from(path)
+    if loaded is not None:
+        return loaded  # already imported by its module name: one copy of its classes
+    # As ``python file.py`` does, its folder is on the path, so that it imports its neighbours
+    # (last, so that it shadows nothing installed; worker processes inherit it).
+    folder = str(path.parent)
+    if not any(entry == folder or _same_folder(entry, folder) for entry in sys.path if entry):
+        sys.path.append(folder)
+        importlib.invalidate_caches()
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        message = f"engine target {target!r}: {path_text!r} cannot be loaded as a Python module"
+        message = f"{what} {target!r}: {path_text!r} cannot be loaded as a Python module"
         raise InvalidTarget(message)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -348,6 +398,6 @@ def _import_file(path_text: str, target: str) -> object:
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
-        message = f"engine target {target!r}: importing {path_text!r} raised {type(error).__name__}: {error}"
+        message = f"{what} {target!r}: importing {path_text!r} raised {type(error).__name__}: {error}"
         raise InvalidTarget(message) from error
     return module

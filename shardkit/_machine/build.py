@@ -71,7 +71,7 @@ def build_machine(
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
     reference: str | EngineFactory | ResolvedTarget | None = None,
-    model: Callable[[], ReferenceModel] = ReferenceModel,
+    model: Callable[[], ReferenceModel] | None = None,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
     isolate: bool | IsolationOptions = False,
@@ -81,20 +81,23 @@ def build_machine(
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
-    ``role`` pins the shard role (None or "any" draws one per example); ``faults``
-    is True/"all", False/"none" or a list of kinds; ``twins`` turns the twin
-    oracle on; ``reference`` builds the twins from another engine, which fuzzes
-    the target differentially against it (same statuses, same outputs); ``model`` builds the reference model (subclass it to extend the
-    rules, see stateful/test_extending_rules.py); ``base`` is the machine class to
-    extend with the fault rules. ``isolate`` runs every engine in a child process (see
-    ``--isolate`` in docs/remote.md), whose calls get ``step_timeout`` seconds each and whose
-    memory ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
+    ``role`` pins the shard role (None or "any" draws one per example); ``faults`` is
+    True/"all", False/"none" or a list of kinds; ``twins`` turns the twin oracle on;
+    ``reference`` builds the twins from another engine, which fuzzes the target
+    differentially against it (same statuses, same outputs). ``base`` is the machine class
+    to extend with the fault rules, and ``model`` builds the reference model (None: the
+    ``model_factory`` of ``base``; see docs/extending.md). ``isolate`` runs every engine in
+    a child process (see ``--isolate`` in docs/remote.md), whose calls get
+    ``step_timeout`` seconds each and whose memory ``worker_memory_mb`` limits;
+    ``step_timeout`` also applies to a remote target.
     """
     if role == "any":
         role = None
     if role is not None and role not in ROLES:
         message = f"role must be one of {', '.join(ROLES)} or 'any', got {role!r}"
         raise UsageError(message)
+    if model is None:
+        model = base.model_factory  # an extended machine may bring its own model
     wanted = _wanted_faults(faults, twins, reference)
     setup = _Setup(target_or_factory, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb)
     namespace: dict[str, Any] = {

@@ -14,15 +14,28 @@ from types import MappingProxyType
 
 from hypothesis import HealthCheck, Phase, settings
 
-__all__ = ["CI_PROFILE", "DEFAULT_PROFILE", "PROFILES", "register_profiles", "time_independent"]
+__all__ = [
+    "CI_PROFILE",
+    "DEFAULT_EXAMPLES",
+    "DEFAULT_PROFILE",
+    "DEFAULT_STEPS",
+    "PROFILES",
+    "register_profiles",
+    "time_independent",
+]
 
 CI_PROFILE = "shardkit-ci"
 #: The profile a machine's TestCase runs under when the user chose none.
 DEFAULT_PROFILE = CI_PROFILE
 
+#: The size of a run when none is asked for: ``shardkit fuzz``, ``fuzz()``, ``shardkit bench``
+#: and a TestCase under the ``shardkit-ci`` profile all read it from here.
+DEFAULT_EXAMPLES = 200
+DEFAULT_STEPS = 50
+
 #: name → (examples, steps per example, derandomized)
 PROFILES: Mapping[str, tuple[int, int, bool]] = MappingProxyType({
-    "shardkit-ci": (200, 50, True),
+    "shardkit-ci": (DEFAULT_EXAMPLES, DEFAULT_STEPS, True),
     "shardkit-dev": (50, 30, False),
     "shardkit-nightly": (5000, 100, False),
 })

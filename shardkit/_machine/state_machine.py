@@ -116,6 +116,8 @@ class RunObserver:
     steps: int = 0
     failures_seen: int = 0
     coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: Each check the driver could not make, with the number of examples it was skipped in.
+    caveats: Counter[str] = field(default_factory=Counter)
     failure: FailureReport | None = None
     #: Called with each failing example as it happens (the runner writes its trace).
     on_failure: Callable[[FailureReport], object] | None = None
@@ -300,6 +302,15 @@ class ShardMachine(RuleBasedStateMachine):
         return MappingProxyType(self.driver.model.sessions)
 
 
+    def _count_caveats(self, stats: RunObserver) -> None:
+        """Count each check the driver could not make once per example, as soon as it knows:
+        the counts at the first failure are those of the examples run until then."""
+        caveats = self.driver.caveats
+        if caveats:
+            counted: set[str] = self.__dict__.setdefault("_caveats_counted", set())
+            stats.caveats.update(caveats - counted)
+            counted |= caveats
+
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
@@ -309,6 +320,7 @@ class ShardMachine(RuleBasedStateMachine):
         try:
             record = self.driver.execute(action)
         except StepFailed as failure:
+            self._count_caveats(stats)
             if stats.only_property is not None and failure.violation.property != stats.only_property:
                 reject()
             stats.coverage[(coverage_op(action), "FAILED")] += 1
@@ -326,6 +338,7 @@ class ShardMachine(RuleBasedStateMachine):
             if stats.on_failure is not None:
                 stats.on_failure(stats.failure)
             raise
+        self._count_caveats(stats)
         stats.coverage[(coverage_op(action), record.outcome)] += 1
         if currently_in_test_context():
             event(f"{coverage_op(action)}→{record.outcome}")

@@ -9,9 +9,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout, import_named
 from shardkit._machine.build import parse_faults
+from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine
+from shardkit._run.trace import importable_name
 from shardkit.contract import FAULT_KINDS, ROLES, Role
 from shardkit.errors import UsageError
 
@@ -54,13 +56,14 @@ class FuzzOptions:
     ``faults``: "all", "none", or kinds ("delay,crash" or a list); True and False mean
     "all" and "none". ``reference`` builds the twin oracle from another engine. ``isolate``
     runs each engine in a worker process whose calls get ``step_timeout`` seconds and
-    whose memory ``worker_memory_mb`` limits. ``model`` and ``base`` extend the rules
-    (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
+    whose memory ``worker_memory_mb`` limits. ``base`` (``--machine``: a ``ShardMachine``
+    subclass, or its ``module:Class`` / ``file.py:Class`` name) and ``model`` (default: the
+    machine's ``model_factory``) extend the rules (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
     the work by counts.
     """
 
-    examples: int = 200
-    steps: int = 50
+    examples: int = DEFAULT_EXAMPLES
+    steps: int = DEFAULT_STEPS
     role: Role | None = None
     faults: str = "all"
     twins: bool = True
@@ -68,8 +71,8 @@ class FuzzOptions:
     isolate: bool | IsolationOptions = False
     step_timeout: float | None = None
     worker_memory_mb: int | None = None
-    model: Callable[[], ReferenceModel] = ReferenceModel
-    base: type[ShardMachine] = ShardMachine
+    model: Callable[[], ReferenceModel] | None = None
+    base: type[ShardMachine] | str = ShardMachine
     minimize: bool = True
     budgets: Budgets = DEFAULT_BUDGETS
 
@@ -86,6 +89,7 @@ class FuzzOptions:
             message = f"role (--role) must be one of {', '.join(ROLES)} or 'any', got {role!r}"
             raise UsageError(message)
         object.__setattr__(self, "faults", _canonical_faults(self.faults))
+        object.__setattr__(self, "base", _machine_class(self.base))
         check_step_timeout(self.step_timeout)
         memory = self.worker_memory_mb
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
@@ -138,10 +142,39 @@ class FuzzOptions:
             parts += isolation.command_options()
         elif self.step_timeout is not None:
             parts += ["--step-timeout", f"{self.step_timeout:g}"]
-        return " ".join(parts)
+        return " ".join(parts) + self._machine_options()
+
+    def _machine_options(self) -> str:
+        """`` --machine NAME``, or why the command line cannot name the extended rules."""
+        base = self.base
+        assert isinstance(base, type)  # __post_init__ resolved a name
+        if base is ShardMachine and self.model is None:
+            return ""
+        machine = importable_name(base) if base is not ShardMachine else None
+        if base is not ShardMachine and machine is None:
+            return f"  # needs the machine {base.__qualname__}, which cannot be imported by name: rerun from Python"
+        if self.model is not None and self.model is not base.model_factory:
+            model = getattr(self.model, "__qualname__", repr(self.model))
+            return f"  # needs the model {model}: set it as the machine's model_factory to rerun from here"
+        return f" --machine {shlex.quote(machine)}" if machine is not None else ""
+
+
+def _machine_class(base: object) -> type[ShardMachine]:
+    """The ``ShardMachine`` subclass ``base`` is or names (``module:Class``, ``file.py:Class``)."""
+    found = (
+        import_named(base, "--machine", "'package.module:Machine' or 'path/to/file.py:Machine'")
+        if isinstance(base, str)
+        else base
+    )
+    if not (isinstance(found, type) and issubclass(found, ShardMachine)):
+        what = f"--machine {base!r} names" if isinstance(base, str) else "base (--machine) is"
+        message = f"{what} {found!r}, not a ShardMachine subclass; name the class that extends shardkit.ShardMachine"
+        raise UsageError(message)
+    return found
+
 
 def _canonical_faults(faults: bool | str | Iterable[str]) -> str:
-    """"all", "none", or the kinds in the contract's order joined by commas."""
+    """ "all", "none", or the kinds in the contract's order joined by commas."""
     try:
         kinds = parse_faults(faults)
     except ValueError:

@@ -181,7 +181,9 @@ def prepare_replay(
     want_machine = custom_ops is None or (model is None and trace.model is None)
     machine_admitted = admit(trace, "machine", trace.machine, trust) if want_machine and trace.machine else None
     model_admitted = admit(trace, "model", trace.model, trust) if model is None and trace.model else None
-    isolation = trace.isolation if isolate is None else isolate
+    # An engine server is another process already: nothing runs in a worker of the kit's.
+    remote = _remote(target if target is not None else trace.target)
+    isolation = None if remote else trace.isolation if isolate is None else isolate
     description = _describe(
         trace, target, engine_admitted, reference, reference_admitted, machine_admitted, model_admitted, isolation
     )
@@ -242,6 +244,8 @@ def prepare_replay(
 
 
 def _engine(trace: Trace, chosen: str | EngineFactory, isolate: bool | IsolationOptions | None) -> ResolvedTarget:
+    if isinstance(chosen, ResolvedTarget) and _remote(chosen):
+        return chosen  # connected by the caller, with the deadline the caller chose
     isolation = trace.isolation if isolate is None else isolate
     if isolation is True:
         isolation = trace.isolation or IsolationOptions()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from collections.abc import Sequence
@@ -17,11 +18,17 @@ from shardkit._version import __version__
 __all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure", "report_document"]
 
 
-def coverage_table(result: FuzzResult) -> str:
-    """(operation, outcome) counts, one operation per line."""
+def coverage_by_operation(result: FuzzResult) -> dict[str, dict[str, int]]:
+    """The (operation, outcome) counts grouped by operation, both sorted."""
     by_op: dict[str, dict[str, int]] = {}
     for (op, outcome), count in sorted(result.coverage.items()):
         by_op.setdefault(op, {})[outcome] = count
+    return by_op
+
+
+def coverage_table(result: FuzzResult) -> str:
+    """(operation, outcome) counts, one operation per line."""
+    by_op = coverage_by_operation(result)
     width = max((len(op) for op in by_op), default=0)
     lines = []
     for op, outcomes in by_op.items():
@@ -41,6 +48,11 @@ def failure_lines(property_label: str, records: Sequence[StepRecord], message: s
     if where is not None:
         lines.append(f"  (what {property_label} requires: {where} in shardkit's documentation)")
     return lines
+
+
+def _has_pytest() -> bool:
+    """Whether the printed ``pytest`` command can run in this environment."""
+    return importlib.util.find_spec("pytest") is not None
 
 
 def render_failure(result: FuzzResult) -> str:
@@ -64,7 +76,8 @@ def render_failure(result: FuzzResult) -> str:
         if result.trace_path is not None:
             lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}")
         if result.regression_path is not None:
-            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}")
+            missing = "" if _has_pytest() else "  (pytest is not installed here: pip install pytest)"
+            lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}{missing}")
     if result.rerun_command:
         lines.append(f"  the whole run:   {result.rerun_command}")
     if result.blob is not None:
@@ -110,6 +123,8 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
     print(counts_line(result), file=out)
     print("coverage (operation → outcome counts):", file=out)
     print(coverage_table(result), file=out)
+    for caveat, examples in sorted(result.caveats.items()):
+        print(f"not checked in {examples} of {result.examples} examples: {caveat}", file=out)
     if result.failure is None:
         print("no failure found", file=out)
         return
@@ -119,9 +134,7 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
 
 def report_document(result: FuzzResult) -> dict[str, Any]:
     """The ``--report`` JSON (contract §6); its keys are a stable schema."""
-    coverage: dict[str, dict[str, int]] = {}
-    for (op, outcome), count in sorted(result.coverage.items()):
-        coverage.setdefault(op, {})[outcome] = count
+    coverage = coverage_by_operation(result)
     failures = []
     if result.failure is not None:
         records = result.failure.records

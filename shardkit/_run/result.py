@@ -29,6 +29,8 @@ class FuzzResult:
     elapsed_s: float
     coverage: Counter[tuple[str, str]]
     failure: FailureReport | None = None
+    #: Checks the run could not make, each with the number of examples it was skipped in.
+    caveats: Counter[str] = field(default_factory=Counter)
     trace_path: Path | None = None
     regression_path: Path | None = None
     hypothesis_output: str = ""

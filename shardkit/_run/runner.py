@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,12 +103,16 @@ def run_machine(
     started = time.perf_counter()
     first_failure: list[tuple[int, float, int]] = []
     before_shrinking = (0, 0)
+    caveats_before_shrinking: Counter[str] = Counter()
+    coverage_before_shrinking: Counter[tuple[str, str]] = Counter()
 
     def on_failure(failure: FailureReport) -> None:
         nonlocal before_shrinking
         if not first_failure:
             first_failure.append((stats.examples, time.perf_counter() - started, len(failure.records)))
             before_shrinking = (stats.examples, stats.steps)
+            caveats_before_shrinking.update(stats.caveats)
+            coverage_before_shrinking.update(stats.coverage)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
@@ -154,8 +160,11 @@ def run_machine(
         examples=examples,
         steps=steps,
         elapsed_s=time.perf_counter() - started,
-        coverage=stats.coverage,
+        # The counts, the coverage and the caveats all cover the same examples: those run
+        # until the first failure (shrinking replays variants of it, it explores nothing).
+        coverage=coverage_before_shrinking if first_failure else stats.coverage,
         failure=failure,
+        caveats=caveats_before_shrinking if first_failure else stats.caveats,
         hypothesis_output=captured.getvalue(),
         faults=machine.fault_kinds,
         hypothesis_failure=stats.failure,
@@ -235,7 +244,7 @@ def fuzz(
     options: FuzzOptions | None = None,
     *,
     seed: int,
-    out: Path | None = None,
+    out: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     **changes: Any,
 ) -> FuzzResult:
@@ -260,7 +269,7 @@ def fuzz(
             machine,
             run_settings,
             seed=seed,
-            out=out,
+            out=Path(out) if out is not None else None,
             minimize=options.minimize,
             progress=progress,
             budgets=options.budgets,

@@ -46,7 +46,7 @@ def machine_for(
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
     reference: str | EngineFactory | ResolvedTarget | None = None,
-    model: Callable[[], ReferenceModel] = ReferenceModel,
+    model: Callable[[], ReferenceModel] | None = None,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
     isolate: bool | IsolationOptions = False,
@@ -59,9 +59,9 @@ def machine_for(
     ``role`` pins the shard role (None or "any" draws one per example); ``faults``
     is True/"all", False/"none" or a list of kinds; ``twins`` turns the twin
     oracle on; ``reference`` builds the twins from another engine, which fuzzes
-    the target differentially against it (same statuses, same outputs); ``model`` builds
-    the reference model (subclass it to extend the rules, see docs/extending.md); ``base``
-    is the machine class to extend with the fault rules. ``isolate`` runs every engine in
+    the target differentially against it (same statuses, same outputs); ``base`` is
+    the machine class to extend with the fault rules and ``model`` builds the reference
+    model (None: the ``model_factory`` of ``base``; see docs/extending.md). ``isolate`` runs every engine in
     a child process, whose calls get ``step_timeout`` seconds each and whose memory
     ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
     """

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from shardkit.contract import EPOCH_STEP_LIMIT, CacheResult, StatusCode, StepResult, StructuredStatus
 
-__all__ = ["identity_problem", "is_int_at_least", "refusal"]
+__all__ = ["identity_problem", "is_int_at_least", "refusal", "shifted_clearly"]
 
 
 def refusal(code: StatusCode, message: str, *, retryable: bool = False) -> StepResult:
@@ -26,3 +30,18 @@ def identity_problem(session_id: str, **counters: int) -> str | None:
 def is_int_at_least(value: object, minimum: int) -> bool:
     """For constructors' checks: an int (bool excluded, it is always a caller's mistake) >= ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def shifted_clearly(values: np.ndarray[Any, Any], shift: float) -> np.ndarray[Any, Any]:
+    """``values`` each moved by ``shift``, in their own dtype, for the malformed-output fault.
+
+    Where the dtype cannot register the shift (float32 cannot add 1 to 2**25) or the sum
+    overflows, the value is halved instead: every value changes by far more than rounding
+    and stays finite, so only an oracle can tell the output is wrong."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        shifted = (values.astype(np.float64) + shift).astype(values.dtype)
+        moved = np.abs(shifted.astype(np.float64) - values.astype(np.float64))
+        lost = ~(moved >= shift / 2) | ~np.isfinite(shifted)
+    if lost.any():
+        shifted = np.where(lost, values / 2, shifted).astype(values.dtype)
+    return shifted

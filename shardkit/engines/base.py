@@ -84,7 +84,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.engines._checks import identity_problem, is_int_at_least, refusal
+from shardkit.engines._checks import identity_problem, is_int_at_least, refusal, shifted_clearly
 
 __all__ = ["EngineSpec", "Produced", "SessionEngine", "StepInput"]
 
@@ -580,13 +580,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         # Raw bytes, not to_array(): with the malformed_output knob on, the data is truncated.
         wire = np.dtype(self._spec.dtype).newbyteorder("<")
         values = np.frombuffer(residual.data, dtype=wire)
-        shift = wire.type(max(_MALFORMED_SHIFT, _MALFORMED_TOLERANCES * self.TOLERANCE))
-        shifted = values + shift
-        # Where a value is too large for the shift to register, halve it instead: every
-        # value changes, by far more than the tolerance, and stays finite.
-        lost = np.abs(shifted - values) < shift / 2
-        if lost.any():
-            shifted = np.where(lost, values / 2, shifted)
+        shifted = shifted_clearly(values, max(_MALFORMED_SHIFT, _MALFORMED_TOLERANCES * self.TOLERANCE))
         return replace(output, tensors=(replace(residual, data=shifted.astype(wire).tobytes()),))
 
     def _structurally_broken(self, output: BoundaryBundle | TokenOutput) -> BoundaryBundle | TokenOutput:

@@ -1,0 +1,160 @@
+"""``shardkit replay``, ``contract``, ``bench`` and ``serve``: each parses nothing itself and
+hands its checked options to the library."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib
+import json
+import resource
+import signal
+import sys
+from pathlib import Path
+
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, check_isolation_options, for_command
+from shardkit._core.targets import IsolationOptions, ResolvedTarget, check_step_timeout, is_loopback, is_remote_address
+from shardkit._transport.resolve import resolve_target
+from shardkit.errors import ContractViolation, UsageError
+
+__all__ = ["bench_command", "contract_command", "replay_command", "serve_command"]
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    from shardkit._run.replay import replay
+    from shardkit._run.report import failure_lines
+    from shardkit._run.trace_reader import read_trace
+    from shardkit._transport.isolation import target_with_options
+
+    with for_command("replay"):
+        check_step_timeout(args.step_timeout)
+    check_isolation_options("replay", args, args.engine)
+    engine: str | ResolvedTarget | None = args.engine
+    isolate: bool | IsolationOptions | None = args.isolate
+    if args.engine is not None and is_remote_address(args.engine):
+        if args.step_timeout is not None:
+            engine = target_with_options(args.engine, step_timeout=args.step_timeout)
+    elif args.step_timeout is not None or args.worker_memory is not None:
+        recorded = read_trace(args.trace).isolation
+        if args.isolate is False or (args.isolate is None and recorded is None):
+            message = "shardkit replay: --step-timeout and --worker-memory set up a worker process; add --isolate (the trace ran in-process)"
+            raise UsageError(message)
+        defaults = recorded or IsolationOptions()
+        isolate = IsolationOptions(
+            args.step_timeout if args.step_timeout is not None else defaults.step_timeout,
+            args.worker_memory if args.worker_memory is not None else defaults.worker_memory_mb,
+        )
+    result = replay(
+        args.trace, target=engine, isolate=isolate, trust=args.trust, announce=lambda line: print(line, flush=True)
+    )
+    if result.failure is None:
+        print(f"did not reproduce: all {len(result.records)} steps matched the model")
+        return EXIT_OK
+    if not result.reproduced:
+        print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
+    # The whole sequence, as fuzz printed it: the last step alone does not say how it was reached.
+    for line in failure_lines(result.failure.property, result.records, result.failure.message):
+        print(line)
+    return EXIT_FAILURE
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from shardkit._cli.bench import BenchSettings, render, run_bench
+
+    planted = None if args.planted == "none" else args.planted
+    if planted is not None:
+        # Checked before minutes of measuring: a mistyped module is a usage error, not a skipped row.
+        try:
+            module = importlib.import_module(planted)
+        except ImportError as error:
+            message = f"shardkit bench: --planted {planted!r} cannot be imported ({error}); name a module with PLANTED, or 'none'"
+            raise UsageError(message) from None
+        if not isinstance(getattr(module, "PLANTED", None), tuple):
+            message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
+            raise UsageError(message)
+    memory = (300, 3000) if args.memory else ()
+    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted, memory))
+    print(json.dumps(figures, indent=2) if args.json else render(figures))
+    return EXIT_OK
+
+
+def contract_command(args: argparse.Namespace) -> int:
+    from shardkit import assert_shard_engine_contract
+
+    target = resolve_target(args.target)
+    try:
+        skipped = assert_shard_engine_contract(target)
+    except ContractViolation as violation:
+        print(violation)
+        return EXIT_FAILURE
+    print(f"{target.name}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else ""))
+    for reason in skipped:
+        print(f"  skipped {reason}")
+    return EXIT_OK
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    try:
+        from shardkit._transport.server import parse_listen, serve
+    except ImportError as error:
+        message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+        raise UsageError(message) from None
+    try:
+        _, host = parse_listen(args.listen)
+    except ValueError as error:
+        raise UsageError(f"shardkit serve: {error}") from None
+    if args.worker:
+        from shardkit._transport.worker import watch_parent
+
+        # A native crash in the engine still leaves its Python stack in the worker's log.
+        faulthandler.enable(sys.stderr, all_threads=False)
+        # The kit asks a worker that missed a deadline where its threads hang before killing it.
+        faulthandler.register(signal.SIGUSR1, sys.stderr, all_threads=True)
+        watch_parent(sys.stdin.fileno())
+    target = resolve_target(args.target)
+    options = {} if args.max_engines is None else {"max_engines": args.max_engines}
+    server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
+    if host is not None and not is_loopback(host):
+        warning = (
+            f"shardkit serve: warning: {args.listen} is reachable from other machines and the service has no "
+            "authentication: anyone who can reach the port can run this engine; listen on 127.0.0.1 or a unix: socket"
+        )
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        if args.worker_memory is not None:
+            # After the server's own threads exist, before any engine: the limit is for the engines.
+            _limit_memory(args.worker_memory)
+        print(f"serving {target.name} on {server.url}", flush=True)
+        server.wait()
+    finally:
+        server.stop(0)
+    return EXIT_OK
+
+
+#: Room left under --worker-memory for the threads gRPC starts as calls arrive (8 MiB of stack each).
+_THREAD_HEADROOM_MIB = 64
+
+
+def _limit_memory(mebibytes: int) -> None:
+    """Cap this process's data (heap, private mappings, thread stacks) with RLIMIT_DATA."""
+    status = Path("/proc/self/status")
+    used = 0
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmData:"):
+                used = int(line.split()[1]) // 1024
+    needed = used + _THREAD_HEADROOM_MIB
+    if mebibytes < needed:
+        message = (
+            f"shardkit serve: --worker-memory {mebibytes} MiB is below what this worker needs before any engine "
+            f"({used} MiB of data plus {_THREAD_HEADROOM_MIB} MiB for its threads); give it at least {needed}"
+        )
+        raise UsageError(message)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = mebibytes * 2**20
+    if hard != resource.RLIM_INFINITY and limit > hard:
+        message = (
+            f"shardkit serve: --worker-memory {mebibytes} MiB is above this system's hard limit of {hard // 2**20} MiB"
+        )
+        raise UsageError(message)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))

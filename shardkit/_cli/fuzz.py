@@ -1,0 +1,166 @@
+"""``shardkit fuzz``: the run, checked before it starts so that nothing it finds is lost,
+its live progress, its summary and report, and what a run that ended early left behind."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
+from shardkit._core.targets import IsolationOptions
+from shardkit._run.trace import write_atomically
+from shardkit._transport.resolve import resolve_target
+from shardkit.errors import UsageError
+
+__all__ = ["fuzz_command", "left_behind"]
+
+
+def fuzz_command(args: argparse.Namespace) -> int:
+    from shardkit._run.options import FuzzOptions
+    from shardkit._run.report import print_summary, report_document
+    from shardkit._run.runner import fuzz
+
+    with for_command("fuzz"):
+        options = FuzzOptions(
+            examples=args.examples,
+            steps=args.steps,
+            role=args.role,
+            faults=args.faults,
+            twins=not args.no_twins,
+            reference=args.reference,
+            **({"base": args.machine} if args.machine is not None else {}),
+            isolate=args.isolate,
+            step_timeout=args.step_timeout,
+            worker_memory_mb=args.worker_memory,
+        )
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    # Where the findings go is checked before the run: a failure found must never be lost.
+    _check_out_folder(args.out)
+    if args.report is not None:
+        _check_report_file(args.report)
+    check_isolation_options("fuzz", args, args.target)
+    target = resolve_target(args.target)
+    isolation = None
+    if args.isolate:
+        timeout = IsolationOptions().step_timeout if args.step_timeout is None else args.step_timeout
+        isolation = IsolationOptions(timeout, args.worker_memory)
+    # The whole command at once, as the summary's rerun line will print it: a run cut short
+    # (a killed CI job) can be rerun from this line alone.
+    print(options.command(target.name, seed, args.reference, isolation), flush=True)
+    args.in_progress_before = _in_progress_traces(args.out)
+    progress = _Progress(args.examples) if sys.stderr.isatty() else None
+    try:
+        result = fuzz(args.target, options, seed=seed, out=args.out, progress=progress)
+    finally:
+        if progress is not None:
+            progress.clear()
+    print_summary(result, sys.stdout)
+    found = result.failure is not None
+    # A found failure is exit 1 whatever else goes wrong; what could not be written says so.
+    unwritten = getattr(result, "write_error", None)
+    if unwritten:
+        print(f"shardkit: {one_line(str(unwritten))}", file=sys.stderr)
+    if args.report is not None:
+        try:
+            write_atomically(args.report, report_document(result))
+        except OSError as error:
+            print(f"shardkit: could not write --report {args.report}: {_reason(error)}", file=sys.stderr)
+            return EXIT_FAILURE if found else EXIT_USAGE
+        print(f"report: {args.report}")
+    if unwritten and not found:
+        return EXIT_USAGE
+    return EXIT_FAILURE if found else EXIT_OK
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def _check_out_folder(out: Path) -> None:
+    """``--out`` must be a folder this process can write in, or one it can create."""
+    if out.exists():
+        if not out.is_dir():
+            message = f"shardkit fuzz: --out {out} is a file, not a folder; name a folder for the failure traces"
+            raise UsageError(message)
+        _check_writable(out, f"--out {out}: cannot write in it")
+        return
+    existing = next((parent for parent in out.parents if parent.exists()), Path("."))
+    if not existing.is_dir():
+        message = f"shardkit fuzz: --out {out} cannot be created: {existing} is a file, not a folder"
+        raise UsageError(message)
+    _check_writable(existing, f"--out {out}: cannot create it in {existing}")
+
+
+def _check_report_file(report: Path) -> None:
+    """``--report`` must name a file in an existing folder this process can write in."""
+    folder = report.parent
+    if report.is_dir():
+        message = f"shardkit fuzz: --report {report} is a folder; name a file, e.g. {report / 'report.json'}"
+        raise UsageError(message)
+    if not folder.exists():
+        message = f"shardkit fuzz: --report {report}: the folder {folder} does not exist"
+        raise UsageError(message)
+    if not folder.is_dir():
+        message = f"shardkit fuzz: --report {report}: {folder} is a file, not a folder"
+        raise UsageError(message)
+    _check_writable(folder, f"--report {report}: cannot write in {folder}")
+
+
+def _check_writable(folder: Path, problem: str) -> None:
+    """Create (and remove) a file in ``folder``: the only test permissions, mounts and root agree on."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
+            pass
+    except OSError as error:
+        message = f"shardkit fuzz: {problem} ({_reason(error)}); choose a folder you can write in"
+        raise UsageError(message) from None
+
+
+class _Progress:
+    """A one-line live status on an interactive stderr, at most ten updates a second."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = time.perf_counter()
+        self.shown_at = 0.0
+
+    def __call__(self, examples: int, steps: int, failures: int) -> None:
+        now = time.perf_counter()
+        if now - self.shown_at < 0.1:
+            return
+        self.shown_at = now
+        rate = steps / max(now - self.started, 1e-9)
+        line = f"examples {examples}/{self.total}  {rate:,.0f} steps/s  failures {failures}"
+        sys.stderr.write(f"\r{line}\x1b[K")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+
+
+def _in_progress_traces(out: Path) -> dict[Path, int]:
+    """The in-progress traces in ``out`` and their modification stamps (to tell this run's apart)."""
+    try:
+        return {path: path.stat().st_mtime_ns for path in out.glob("*in-progress*.json") if path.is_file()}
+    except OSError:
+        return {}
+
+
+def left_behind(args: argparse.Namespace, error: BaseException) -> str:
+    """What a run that ended early left on disk: the shortest failure found so far, if any."""
+    if args.command != "fuzz":
+        return ""
+    path = getattr(error, "in_progress_trace", None)
+    if path is None:
+        before: dict[Path, int] = getattr(args, "in_progress_before", {})
+        written = [path for path, stamp in _in_progress_traces(args.out).items() if before.get(path) != stamp]
+        path = sorted(written)[-1] if written else None
+    if path is None:
+        return f"; it left no in-progress trace in {args.out}"
+    return f"; the shortest failure found before is kept in {path} (shardkit replay {shlex.quote(str(path))})"

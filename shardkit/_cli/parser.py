@@ -1,0 +1,237 @@
+"""The ``shardkit`` command line: its parser, the value types of its options, the checks
+of option combinations the commands share, and its exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+from shardkit._core.targets import DEFAULT_TARGET, is_remote_address
+from shardkit._run.trace import DEFAULT_OUT
+from shardkit._version import __version__
+from shardkit.contract import FAULT_KINDS, ROLES
+from shardkit.errors import UsageError
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "build_parser",
+    "check_isolation_options",
+    "for_command",
+    "one_line",
+]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _bad_value(message: str) -> argparse.ArgumentError:
+    """What an option's ``type`` raises for a value it refuses, ``message`` naming the option:
+    argparse prints it as it is. (An ``ArgumentTypeError`` would come out as "argument
+    --examples: --examples must be …", the option named twice.)"""
+    return argparse.ArgumentError(None, message)
+
+
+def _positive_int(name: str) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise _bad_value(f"{name} must be a positive integer, got {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse  # type: ignore[return-value]
+
+
+def _seed(text: str) -> int:
+    from shardkit._run.runner import parse_seed
+
+    try:
+        return parse_seed(text, "--seed")
+    except ValueError as error:
+        raise _bad_value(str(error)) from None
+
+
+def _seconds(text: str) -> float:
+    """A number; which numbers of seconds a run takes is ``check_step_timeout``'s to say."""
+    try:
+        return float(text)
+    except ValueError:
+        raise _bad_value(f"--step-timeout must be a number of seconds, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def for_command(command: str) -> Iterator[None]:
+    """A ``UsageError`` from the library's checks of the options (which names the option) also
+    names the command, as the command's own usage errors do."""
+    try:
+        yield
+    except UsageError as error:
+        raise UsageError(f"shardkit {command}: {error}") from None
+
+
+def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = False) -> None:
+    group = command.add_argument_group("isolation (the grpc extra)")
+    if replaying:
+        group.add_argument(
+            "--isolate",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="run the engine in a worker process, or not (default: as the trace records)",
+        )
+    else:
+        group.add_argument(
+            "--isolate",
+            action="store_true",
+            help="run the engine in a worker process: a crash, hang or memory blow-up becomes a reported failure",
+        )
+    group.add_argument(
+        "--step-timeout",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds each engine call may take (isolated or grpc:// engines; default 5)",
+    )
+    group.add_argument(
+        "--worker-memory",
+        type=_positive_int("--worker-memory"),
+        default=None,
+        metavar="MB",
+        help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate",
+    )
+
+
+def check_isolation_options(command: str, args: argparse.Namespace, target: str | None) -> None:
+    """Options that cannot apply are a usage error, never silently ignored."""
+    # replay's --isolate is None when the trace decides; the trace then says whether to isolate.
+    isolation_refused = args.isolate is False if command == "replay" else not args.isolate
+    if args.worker_memory is not None and isolation_refused:
+        raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate")
+    remote = target is not None and is_remote_address(target)
+    if args.isolate and remote:
+        message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
+        raise UsageError(message)
+    if args.step_timeout is not None and not args.isolate and not remote and command == "fuzz":
+        message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate or a grpc:// or unix: target"
+        raise UsageError(message)
+
+
+def build_parser() -> _Parser:
+    from shardkit._run.options import FuzzOptions
+
+    defaults = FuzzOptions()
+    parser = _Parser(prog="shardkit", description="Property-based state-machine testing for LLM shard engines.")
+    parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
+    fuzz.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
+    fuzz.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
+    fuzz.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples to run ({defaults.examples})")
+    fuzz.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
+    fuzz.add_argument(
+        "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
+    )
+    fuzz.add_argument(
+        "--faults",
+        default=defaults.faults,
+        help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}",
+    )
+    fuzz.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
+    fuzz.add_argument(
+        "--reference",
+        default=None,
+        metavar="TARGET",
+        help="build the twin oracle from this engine instead: fuzz TARGET differentially against it",
+    )
+    fuzz.add_argument(
+        "--machine",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="fuzz with this ShardMachine subclass: the rules and model extended for a backend (docs/extending.md)",
+    )
+    fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
+    fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
+    _isolation_options(fuzz)
+
+    replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
+    replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
+    replay.add_argument(
+        "--engine",
+        default=None,
+        metavar="TARGET",
+        help="replay against this engine target instead of the recorded one; its twins too (the recorded reference is not built)",
+    )
+    replay.add_argument(
+        "--trust",
+        action="store_true",
+        help="build the code the trace names even where it is not inside the current folder "
+        "(by default only shardkit's engines and code inside the project are built: a trace is data)",
+    )
+    _isolation_options(replay, replaying=True)
+
+    bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    bench.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples per run ({defaults.examples})")
+    bench.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
+    bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
+    bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure a fuzz run's peak RSS at 300 and 3000 examples (takes minutes)",
+    )
+    bench.add_argument(
+        "--planted",
+        default="shardkit._planted",
+        help="module of planted-bug engines (the bundled shardkit._planted), or 'none'",
+    )
+
+    contract = commands.add_parser("contract", help="run the quick static contract checks")
+    contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
+
+    serve = commands.add_parser("serve", help="serve an engine target over gRPC (the grpc extra)")
+    serve.add_argument("target", help="engine target, e.g. shardkit:FakeShardEngine")
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:7000",
+        metavar="ADDR",
+        help="HOST:PORT (PORT 0 picks a free one) or unix:PATH (default 127.0.0.1:7000)",
+    )
+    serve.add_argument(
+        "--worker",
+        action="store_true",
+        help="serve as --isolate's worker: an engine exception ends the process (exit 70, 71 for MemoryError) "
+        "as a native crash would, and the process ends when its stdin closes",
+    )
+    serve.add_argument(
+        "--worker-memory",
+        type=_positive_int("--worker-memory"),
+        default=None,
+        metavar="MB",
+        help="limit this process's memory (RLIMIT_DATA) to MB MiB",
+    )
+    serve.add_argument(
+        "--max-engines",
+        type=_positive_int("--max-engines"),
+        default=None,
+        metavar="N",
+        help="engines kept alive at once; beyond N the least recently used is dropped (default 256)",
+    )
+    return parser
+
+
+def one_line(text: str) -> str:
+    return " / ".join(part.strip() for part in text.splitlines() if part.strip())
