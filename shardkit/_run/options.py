@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from shardkit._core.importing import import_named
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout, import_named
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
 from shardkit._machine.build import parse_faults
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardkit._core.driver import StepRecord, Violation
-from shardkit._core.targets import FILE_MODULE_PREFIX, IsolationOptions, is_remote_address
+from shardkit._core.importing import FILE_MODULE_PREFIX
+from shardkit._core.targets import IsolationOptions, is_remote_address
 from shardkit._version import __version__
 from shardkit.contract import LoadRequest
 
