@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from io import StringIO
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
 from shardkit._machine.state_machine import RunObserver, observed
+from shardkit._run.options import DEFAULT_BUDGETS
 from shardkit._run.report import print_summary
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
@@ -242,8 +244,20 @@ def test_rounding_noise_is_not_taken_for_a_detected_corruption() -> None:
                 return StructuredStatus(StatusCode.OK)
             return super().inject_fault(fault)
 
+    # Only the property is asked for, not the shortest sequence: no replay minimiser, and
+    # Hypothesis's shrinking cut short (it took most of this test's 40 s).
+    quick = replace(DEFAULT_BUDGETS, shrink_examples=50)
     for role in ("head", "full"):
-        result = fuzz(NumpyCorruptsNothing, seed=3, examples=100, steps=30, role=role, faults="malformed_output")
+        result = fuzz(
+            NumpyCorruptsNothing,
+            seed=3,
+            examples=100,
+            steps=30,
+            role=role,
+            faults="malformed_output",
+            minimize=False,
+            budgets=quick,
+        )
         assert result.failure is not None, role
         assert result.failure.violation.property == "§4 malformed_output", result.failure.violation.message
 
