@@ -79,6 +79,9 @@ class FailureReport:
     faults: frozenset[str]
     layout: int = 0
     choices: tuple[Choice, ...] = ()
+    #: What the driver noted while running these steps (an engine restarted after an injected
+    #: crash, an injection that landed on a valid answer): shown with the failure.
+    notes: tuple[str, ...] = ()
 
 
 def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -331,6 +334,7 @@ class ShardMachine(RuleBasedStateMachine):
                 self.fault_kinds,
                 self.layout,
                 tuple(self.choices),
+                tuple(self.driver.notes),
             )
             stats.failures_seen += 1
             if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):

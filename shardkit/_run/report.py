@@ -60,6 +60,7 @@ def render_failure(result: FuzzResult) -> str:
     failure = result.failure
     assert failure is not None
     lines = failure_lines(failure.violation.property, failure.records, failure.violation.message)
+    lines += [f"  note: {note}" for note in failure.notes]
     if result.interrupted:
         lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
     elif result.minimized is not None and result.hypothesis_failure is not None:
@@ -157,6 +158,7 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
                     for r in records
                     if r.action.op == "fault"
                 ],
+                "notes": list(result.failure.notes),
             }
         )
     return {
@@ -167,5 +169,6 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
         "steps": result.steps,
         "elapsed_s": round(result.elapsed_s, 3),
         "coverage": coverage,
+        "not_checked": dict(sorted(result.caveats.items())),
         "failures": failures,
     }
