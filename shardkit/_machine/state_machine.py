@@ -28,7 +28,7 @@ from hypothesis.strategies import SearchStrategy
 
 from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
 from shardkit._core.model import ReferenceModel, SessionState
-from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, malformations_for, step_action
+from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformations_for, step_action
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
@@ -118,6 +118,10 @@ class RunObserver:
     coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Each check the driver could not make, with the number of examples it was skipped in.
     caveats: Counter[str] = field(default_factory=Counter)
+    #: Examples by the accepted decodes of their longest session epoch: {decodes: examples}.
+    #: Kept current as each example runs (an example moves up as its session grows), so it
+    #: always sums to ``examples`` and a snapshot at the first failure covers the same ones.
+    longest_session: Counter[int] = field(default_factory=Counter)
     failure: FailureReport | None = None
     #: Called with each failing example as it happens (the runner writes its trace).
     on_failure: Callable[[FailureReport], object] | None = None
@@ -273,7 +277,16 @@ class ShardMachine(RuleBasedStateMachine):
             model_factory=type(self).model_factory,
             custom_ops=self.custom_ops,
         )
+        #: Every prefill and decode this example sent, by session id, oldest first, kept
+        #: across releases, restarts and crashes (the driver's logs start again with each
+        #: engine): what ``resend`` draws its ghosts from.
+        self.sent: dict[str, list[Action]] = {}
+        #: The decodes accepted in each session's current epoch, with the model's state
+        #: object they count for (a new object means the epoch was opened again).
+        self._decodes: dict[str, tuple[SessionState, int]] = {}
+        self._longest = 0
         self.stats.examples += 1
+        self.stats.longest_session[0] += 1
         if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
             stop_hypothesis()
         if self.stats.on_example is not None:
@@ -311,12 +324,41 @@ class ShardMachine(RuleBasedStateMachine):
             stats.caveats.update(caveats - counted)
             counted |= caveats
 
+    def _remember(self, action: Action) -> None:
+        """Keep a prefill or decode for ``resend``, unless it repeats the session's last one."""
+        if action.op in STEP_OPS:
+            sent = self.sent.setdefault(str(action.args["session"]), [])
+            if not sent or sent[-1].args != action.args or sent[-1].op != action.op:
+                sent.append(action)
+
+    def _count_decode(self, stats: RunObserver, session_id: str, before: int | None) -> None:
+        """Count an accepted decode that advanced its session (a retry does not), and move
+        the example up ``longest_session`` when this session is its longest so far."""
+        session = self.driver.model.sessions.get(session_id)
+        if session is None or before is None or session.next_step != before + 1:
+            return
+        counted = self._decodes.get(session_id)
+        decodes = counted[1] + 1 if counted is not None and counted[0] is session else 1
+        self._decodes[session_id] = (session, decodes)
+        if decodes > self._longest:
+            stats.longest_session[self._longest] -= 1
+            if not stats.longest_session[self._longest]:
+                del stats.longest_session[self._longest]
+            stats.longest_session[decodes] += 1
+            self._longest = decodes
+
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
         if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
             stop_hypothesis()
         stats.steps += 1
+        self._remember(action)
+        decoding = str(action.args["session"]) if action.op == "decode" else None
+        before = None
+        if decoding is not None:
+            session = self.driver.model.sessions.get(decoding)
+            before = session.next_step if session is not None else None
         try:
             record = self.driver.execute(action)
         except StepFailed as failure:
@@ -340,6 +382,8 @@ class ShardMachine(RuleBasedStateMachine):
             raise
         self._count_caveats(stats)
         stats.coverage[(coverage_op(action), record.outcome)] += 1
+        if decoding is not None and record.outcome == "OK":
+            self._count_decode(stats, decoding, before)
         if currently_in_test_context():
             event(f"{coverage_op(action)}→{record.outcome}")
         return record
