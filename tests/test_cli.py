@@ -19,7 +19,18 @@ from shardkit._cli.main import main
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
 SMALL = ["--examples", "20", "--steps", "20"]
-REPORT_KEYS = {"shardkit_version", "target", "seed", "examples", "steps", "elapsed_s", "coverage", "not_checked", "failures"}
+REPORT_KEYS = {
+    "shardkit_version",
+    "target",
+    "seed",
+    "examples",
+    "steps",
+    "elapsed_s",
+    "coverage",
+    "not_checked",
+    "longest_session",
+    "failures",
+}
 FAILURE_KEYS = {"message", "steps", "trace", "faults", "notes"}
 STEP_KEYS = {"op", "args", "expected", "observed"}
 

@@ -28,6 +28,7 @@ from shardkit._core.conformance import assert_shard_engine_contract
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
@@ -99,6 +100,9 @@ def _throughput(config: BenchSettings) -> dict[str, Any]:
             "kit_steps_per_s": round(kit_rate, 1),
             "bare_steps_per_s": round(bare, 1),
             "throughput_ratio": round(kit_rate / bare, 3),
+            # How long the sessions got: throughput bought with short sessions only is no gain.
+            "long_session_share": round(long_session_share(kit), 4),
+            "longest_session_histogram": session_histogram(kit),
         }
     return rows
 
@@ -309,6 +313,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "kit_steps_per_s": full["kit_steps_per_s"],
         "bare_steps_per_s": full["bare_steps_per_s"],
         "throughput_ratio": full["throughput_ratio"],
+        "long_session_share": full["long_session_share"],
         "per_role": throughput,
         "engines": engines,
         "out_of_process": out_of_process,
@@ -327,11 +332,13 @@ def _peak_rss_mb() -> float:
 def render(bench: dict[str, Any]) -> str:
     lines = [
         f"throughput, {bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']} (fake engine, faults on):",
-        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}",
+        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}"
+        f" {f'examples with a {LONG_SESSION_DECODES}+ decode session':>36}",
     ]
     for role, row in bench["per_role"].items():
         lines.append(
             f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
+            f" {row['long_session_share']:>36.0%}"
         )
     lines.append("engines (full role, faults on):")
     for name, row in bench["engines"].items():

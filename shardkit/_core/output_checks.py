@@ -17,7 +17,7 @@ from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepR
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
 from shardkit._core.steps import Action
 from shardkit._core.targets import ResolvedTarget, passes_through, short_name
-from shardkit._core.twins import ORACLE_PATHS, OracleFailure, TwinSession, recompute
+from shardkit._core.twins import ORACLE_PATHS, OracleFailure, Recomputer, TwinSession
 from shardkit.contract import EngineCapabilities, EngineError, StepResult
 from shardkit.errors import InvalidTarget
 
@@ -62,6 +62,7 @@ class OutputChecks(StepContext):
     model: ReferenceModel
     memo: HistoryMemo
     twins: dict[str, TwinSession]
+    recomputer: Recomputer | None
     split_twins: bool
     use_twins: bool
     differential: bool
@@ -201,7 +202,9 @@ class OutputChecks(StepContext):
                         self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
                 twin.advance(history, self.memo)
             if "recompute" not in known:
-                recompute(self.reference, self.load_request, history, self.memo)
+                if self.recomputer is None:
+                    self.recomputer = Recomputer(self.reference, self.load_request)
+                self.recomputer.answer(history, self.memo)
         except OracleFailure as failure:
             if self.differential:
                 raise self._broken_reference(str(failure)) from None

@@ -40,7 +40,7 @@ from shardkit.contract import (
     StructuredStatus,
 )
 
-__all__ = ["ORACLE_PATHS", "OracleFailure", "TwinSession", "chunk_pieces", "recompute", "split_ranges"]
+__all__ = ["ORACLE_PATHS", "OracleFailure", "Recomputer", "TwinSession", "chunk_pieces", "split_ranges"]
 
 TWIN_SESSION = "twin-oracle"
 
@@ -202,14 +202,28 @@ class TwinSession:
                 raise OracleFailure("§3 composition", message)
 
 
-def recompute(
-    build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...], memo: HistoryMemo
-) -> None:
-    """The ``recompute`` path: ``history`` in one prefill, on an engine loaded for it alone,
-    so nothing an earlier call left in a cache can reach the answer."""
-    fresh = _Feed([_load_stage(build, request, request.shard_start, request.shard_end)])
-    ends, payloads = fresh.send(history, 0, len(history))
-    _remember(memo, history, "recompute", ends, payloads)
+class Recomputer:
+    """The ``recompute`` path: each history in one prefill, as a session of its own that is
+    released at once, on one twin engine per example (loading an engine per history cost a
+    real engine more than the prefill). A correct engine's answer depends on the history
+    alone, so the engine's earlier sessions cannot change it; where they do, the paths
+    disagree and the engine is at fault either way."""
+
+    def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest) -> None:
+        self.stage = _load_stage(build, request, request.shard_start, request.shard_end)
+        self.recomputed = 0
+
+    def answer(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+        session = f"{TWIN_SESSION}-recompute-{self.recomputed}"
+        self.recomputed += 1
+        action = step_action("prefill", session, 0, 0, history)
+        payloads = _feed([self.stage], action)
+        ends = range(1, len(history) + 1) if len(payloads) == len(history) else [len(history)]
+        _remember(memo, history, "recompute", ends, payloads)
+        released = self.stage.engine.release(session)
+        if not isinstance(released, StructuredStatus) or not released.ok:
+            message = f"a fresh twin ({self.stage.label}) answered release({session!r}) with {released!r}, not OK"
+            raise OracleFailure("§3 twin oracle", message)
 
 
 def _remember(
