@@ -272,11 +272,26 @@ class CrashesOnCancelOfNewerEpoch(PlantedEngine):
     PROPERTY = "unexplained exception"
     MINIMAL = (prefill("a"), cancel("a", epoch=1))
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: dict[str, int] = {}  # its own record, not the fake's messages
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if result.status.ok and request.step == 0:
+            self.epochs[request.session_id] = request.epoch
+        return result
+
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         status = self.inner.cancel(session_id, epoch)
-        if status.code is StatusCode.NOT_FOUND and "epoch" in status.message and "unknown" not in status.message:
+        known = self.epochs.get(session_id)
+        if status.code is StatusCode.NOT_FOUND and known is not None and epoch > known:
             raise KeyError((session_id, epoch))
         return status
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.epochs.pop(session_id, None)
+        return self.inner.release(session_id)
 
 
 class RefusedPrefillLeavesTokens(PlantedEngine):
