@@ -1,8 +1,7 @@
 """The planted-bug engines, for the self-tests: ``tests.planted:Name`` targets.
 
 They live in ``shardkit._planted`` (so ``shardkit bench`` finds them in an installed
-package); this module re-exports every one under its old name, and the engines of
-``shardkit._planted.reach`` (``REACH_PLANTED``) that are not in ``PLANTED`` yet."""
+package); this module re-exports every one under its old name."""
 
 from __future__ import annotations
 
@@ -30,51 +29,29 @@ from shardkit._planted import SessionStateBleeds as SessionStateBleeds
 from shardkit._planted import StaleEpochAccepted as StaleEpochAccepted
 from shardkit._planted import StepRequest as StepRequest
 from shardkit._planted import names_its_property as names_its_property
-from shardkit._planted.reach import REACH_PLANTED as REACH_PLANTED
-from shardkit._planted.reach import CancelMatchesIdPrefix as CancelMatchesIdPrefix
-from shardkit._planted.reach import DecodeFastPathCorruptsAfter20 as DecodeFastPathCorruptsAfter20
-from shardkit._planted.reach import DecodeWindowsTheLast20Tokens as DecodeWindowsTheLast20Tokens
-from shardkit._planted.reach import EpochStoredIn32Bits as EpochStoredIn32Bits
-from shardkit._planted.reach import KvBlockBoundaryMiscounted as KvBlockBoundaryMiscounted
-from shardkit._planted.reach import PrefixCacheKeyedOnFirst3Tokens as PrefixCacheKeyedOnFirst3Tokens
-from shardkit._planted.reach import PressureLeaksReleasedTokens as PressureLeaksReleasedTokens
-from shardkit._planted.reach import RestartKeepsCancelledFlag as RestartKeepsCancelledFlag
-from shardkit._planted.reach import SessionsKeyedOnIdPrefix as SessionsKeyedOnIdPrefix
-from shardkit._planted.reach import SessionSurvivesCrash as SessionSurvivesCrash
 
 __all__ = [
     "PLANTED",
-    "REACH_PLANTED",
     "CancelLeaksKvTokens",
-    "CancelMatchesIdPrefix",
     "CancelledSessionStillServes",
     "CrashesOnCancelOfNewerEpoch",
-    "DecodeFastPathCorruptsAfter20",
     "DecodeOfUnknownSessionServed",
-    "DecodeWindowsTheLast20Tokens",
     "DelayedStepTimesOut",
     "DelegatingEngine",
-    "EpochStoredIn32Bits",
     "EvictsLiveSessions",
     "FailedCallsNotCounted",
-    "KvBlockBoundaryMiscounted",
     "MemoryPressureIgnored",
     "MiddleDropsSideband",
     "OutputDependsOnChunking",
     "PlantedEngine",
-    "PrefixCacheKeyedOnFirst3Tokens",
     "PrefixCacheKeyedOnFirstToken",
-    "PressureLeaksReleasedTokens",
     "RefusedPrefillLeavesTokens",
     "RefusedPrefillPoisonsSession",
     "ReleaseLeaksKvTokens",
     "RequestIdWrapsAt32",
-    "RestartKeepsCancelledFlag",
     "RestartKeepsOldEpochCache",
     "RetryAppliedTwice",
     "SessionStateBleeds",
-    "SessionSurvivesCrash",
-    "SessionsKeyedOnIdPrefix",
     "StaleEpochAccepted",
     "StepRequest",
     "names_its_property",
