@@ -111,12 +111,14 @@ class DecodeFastPathCorruptsAfter20(PlantedEngine):
     DECODES: ClassVar[int] = 20
     # Today's twins feed a new token as a decode too, so they take the same wrong path and
     # agree; an oracle that recomputes the history by prefill sees it at the 20th decode.
-    MINIMAL = (prefill("a"), *(decode("a", step=step) for step in range(1, 21)))
+    MINIMAL = (prefill("a"), *(decode("a", step=step) for step in range(1, DECODES + 1)))
     LATE = True  # 21 steps
 
     def __init__(self) -> None:
         super().__init__()
-        self.decodes: dict[tuple[str, int], int] = {}
+        #: Per session epoch: the decodes served, and the last one's step and answer (a retry
+        #: of it gets that answer again, as contract rule 6 asks; it is not a new decode).
+        self.decodes: dict[tuple[str, int], tuple[int, int, StepResult]] = {}
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         result = self.inner.prefill(request)
@@ -129,11 +131,15 @@ class DecodeFastPathCorruptsAfter20(PlantedEngine):
         if not result.status.ok:
             return result
         key = (request.session_id, request.epoch)
-        self.decodes[key] = self.decodes.get(key, 0) + 1
-        return self._shift(result) if self.decodes[key] >= self.DECODES else result
+        served, last_step, last_answer = self.decodes.get(key, (0, -1, result))
+        if request.step == last_step:
+            return last_answer
+        answer = self._shift(result) if served + 1 >= self.DECODES else result
+        self.decodes[key] = (served + 1, request.step, answer)
+        return answer
 
     def release(self, session_id: str) -> StructuredStatus:
-        self.decodes = {key: count for key, count in self.decodes.items() if key[0] != session_id}
+        self.decodes = {key: value for key, value in self.decodes.items() if key[0] != session_id}
         return self.inner.release(session_id)
 
 
