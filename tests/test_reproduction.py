@@ -67,7 +67,8 @@ def test_shardkit_replay_exits_1_with_the_same_message(
     assert result.failure is not None
     out = capsys.readouterr().out
     # The whole sequence as fuzz printed it: the header, then the violation as render_failure indents it.
-    assert f"FAILURE ({result.failure.violation.property}) in {len(result.failure.records)} steps:" in out
+    count = len(result.failure.records)
+    assert f"FAILURE ({result.failure.violation.property}) in {count} step{'s' if count != 1 else ''}:" in out
     assert textwrap.indent(result.failure.violation.message, "  ") in out
 
 
