@@ -165,14 +165,12 @@ class PrefixCacheKeyedOnFirst3Tokens(PlantedEngine):
 class DecodeWindowsTheLast20Tokens(_Tracking):
     BUG = "the decode fast path computes its token from the last 20 tokens only: wrong once a history is longer"
     PROPERTY = "§3 determinism"
-    # Today's single twin feeds the new token as a decode too and windows it alike; the
-    # pipeline of twins (a head and a tail, without the fast path) disagrees with it.
+    # One prefill of 21 tokens: the twin fed one token per decode windows its last decode and
+    # disagrees with the recompute in one prefill; where the random chunking decodes past the
+    # window, the pipeline of twins (a head and a tail, without the fast path) disagrees first.
     ALSO = ("§3 composition",)
     WINDOW: ClassVar[int] = 20
-    MINIMAL = (
-        prefill("a", tokens=(1, *(0,) * 19), note="20 tokens: a full window"),
-        decode("a", step=1, note="the window drops the first token"),
-    )
+    MINIMAL = (prefill("a", tokens=(1, *(0,) * 20), note="21 tokens: the last decode's window drops the first"),)
 
     def __init__(self) -> None:
         super().__init__()
