@@ -170,7 +170,7 @@ def test_fuzz_finds_a_planted_bug_exits_1_and_reports_its_minimal_steps(
     # The human-readable summary.
     assert f"shardkit fuzz {target} --seed 3" in out
     assert "FAILURE (§2 metrics) in 2 steps:" in out
-    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 1: prefill(session='a', epoch=0, step=0, tokens=[0])" in out
     assert "  step 2: release(session='a')" in out
     assert "expected: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=0" in out
     assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
@@ -489,7 +489,7 @@ def test_a_trace_that_cannot_be_written_after_a_failure_prints_the_failure_and_e
     assert code == 1, (out, err)
     assert "Traceback" not in out + err
     assert "FAILURE (§2 metrics) in 2 steps:" in out
-    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 1: prefill(session='a', epoch=0, step=0, tokens=[0])" in out
     assert "  step 2: release(session='a')" in out
     assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
     lines = err.splitlines()

@@ -149,6 +149,9 @@ def _engines(config: BenchSettings) -> dict[str, Any]:
             "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
             "decode_step_us": _decode_step_microseconds(target),
             "failure": run.failure.violation.property if run.failure is not None else None,
+            # Long histories are compared too (each by three twin paths): what that costs shows above.
+            "longest_session_decodes": max(run.longest_session, default=0),
+            "long_session_share": round(long_session_share(run), 4),
         }
     return rows
 
@@ -347,8 +350,9 @@ def render(bench: dict[str, Any]) -> str:
         else:
             found = f"; FAILURE {row['failure']}" if row["failure"] else ""
             lines.append(
-                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs"
-                f"{found}"
+                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs; "
+                f"longest session {row['longest_session_decodes']} decodes, "
+                f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
             )
     out_of_process = bench["out_of_process"]
     if isinstance(out_of_process, str):
