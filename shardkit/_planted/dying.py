@@ -87,9 +87,9 @@ class SegfaultsOnDecodeAfterCancel(DyingEngine):
 class HangsOnSecondDecode(DyingEngine):
     BUG = "the second decode of a session waits forever on a lock the first one never released"
     PROPERTY = "step deadline"
-    # The twin of the oracle feeds a history in two chunks, the second as a decode: two
-    # prefills make it decode twice, a step shorter than decoding twice directly.
-    MINIMAL = (prefill("a", tokens=(0, 0)), prefill("a", step=1, tokens=(0,)))
+    # The oracle's twin fed one token per decode decodes the second and third tokens of a
+    # prefill: one prefill of three tokens makes it decode twice.
+    MINIMAL = (prefill("a", tokens=(0, 0, 0)),)
     STEP_TIMEOUT = 1.0
 
     def __init__(self) -> None:
