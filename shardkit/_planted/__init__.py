@@ -407,7 +407,8 @@ class RefusedPrefillPoisonsSession(PlantedEngine):
         return self._serve(request, self.inner.decode(request))
 
     def _serve(self, request: StepRequest, result: StepResult) -> StepResult:
-        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and request.step > 0:
+        refused_prefill = isinstance(request, PrefillRequest) and result.status.code is StatusCode.RESOURCE_EXHAUSTED
+        if refused_prefill and request.step > 0:
             self.poisoned.add(request.session_id)
         elif result.status.ok and request.step == 0:
             self.poisoned.discard(request.session_id)
