@@ -69,10 +69,7 @@ def replay_actions(
         try:
             driver.execute(action)
         except StepFailed as failed:
-            records = list(driver.records)
-            return FailureReport(
-                failed.violation, records, failure.load_request, failure.faults, notes=tuple(driver.notes)
-            )
+            return FailureReport(failed.violation, list(driver.records), failure.load_request, failure.faults)
     return None
 
 
