@@ -22,7 +22,9 @@ except ImportError:
         raise
     pytest.skip("llama.cpp is not installed: pip install 'shardkit[llama]'", allow_module_level=True)
 
-CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None)
+# 100 examples, not the profile's 200: each long history is answered by three twin paths, and
+# CI has 30 minutes in all (tests/test_control.py fuzzes llama.cpp over 10 seeds as well).
+CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None, max_examples=100)
 TARGET = "shardkit.engines.llama_cpp:LlamaCppShardEngine"
 
 _machine = machine_for(TARGET, role="full", name="LlamaCpp")

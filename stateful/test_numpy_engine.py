@@ -7,7 +7,11 @@ from hypothesis import settings
 
 from shardkit import NumpyShardEngine, PipelineEngine, machine_for
 
-CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None)
+# 40 examples, not the profile's 200: every history of these 256-token sessions is answered by
+# three twin paths (one of them a recompute in one prefill), about 35 numpy steps a second, and
+# five suites at 200 examples took most of CI's 30 minutes; tests/test_control.py fuzzes the
+# same engine over 10 seeds.
+CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None, max_examples=40)
 
 
 def _suite(target: object, role: str, name: str, **options: object) -> type:

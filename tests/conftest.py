@@ -30,7 +30,9 @@ class PlantedRuns(Mapping[type[PlantedEngine], FuzzResult]):
         if engine not in self._runs:
             out = self._tmp_path_factory.mktemp(engine.__name__)
             target = f"tests.planted:{engine.__name__}"
-            self._runs[engine] = fuzz(target, seed=PLANTED_SEED, examples=200, steps=50, role=engine.ROLE, out=out)
+            self._runs[engine] = fuzz(
+                target, seed=PLANTED_SEED, examples=200, steps=50, role=engine.ROLE, faults=engine.FAULTS, out=out
+            )
         return self._runs[engine]
 
     def __iter__(self) -> Iterator[type[PlantedEngine]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -18,8 +19,19 @@ from shardkit._cli.main import main
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
 SMALL = ["--examples", "20", "--steps", "20"]
-REPORT_KEYS = {"shardkit_version", "target", "seed", "examples", "steps", "elapsed_s", "coverage", "failures"}
-FAILURE_KEYS = {"message", "steps", "trace", "faults"}
+REPORT_KEYS = {
+    "shardkit_version",
+    "target",
+    "seed",
+    "examples",
+    "steps",
+    "elapsed_s",
+    "coverage",
+    "not_checked",
+    "longest_session",
+    "failures",
+}
+FAILURE_KEYS = {"message", "steps", "trace", "faults", "notes"}
 STEP_KEYS = {"op", "args", "expected", "observed"}
 
 
@@ -158,7 +170,7 @@ def test_fuzz_finds_a_planted_bug_exits_1_and_reports_its_minimal_steps(
     # The human-readable summary.
     assert f"shardkit fuzz {target} --seed 3" in out
     assert "FAILURE (§2 metrics) in 2 steps:" in out
-    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 1: prefill(session='a', epoch=0, step=0, tokens=[0])" in out
     assert "  step 2: release(session='a')" in out
     assert "expected: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=0" in out
     assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
@@ -389,18 +401,30 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(capsys: pytest
     assert figures["planted"].startswith("skipped")
 
 
-def test_bench_reports_each_planted_engine_of_a_module(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_reports_each_planted_engine_of_a_module_at_each_seed(capsys: pytest.CaptureFixture[str]) -> None:
     """The full planted suite is the self-test's (test_machine.py); two engines show the bench's columns."""
     arguments = ["bench", "--json", "--examples", "30", "--steps", "30", "--planted", "tests.planted_sample"]
-    assert main(arguments) == 0
+    assert main([*arguments, "--seed", "4", "--planted-seeds", "2"]) == 0
     rows = json.loads(capsys.readouterr().out)["planted"]
     assert [row["engine"] for row in rows] == ["FailedCallsNotCounted", "OutputDependsOnChunking"]
     for row in rows:
-        assert row["found"], row
-        assert row["shrunk_length"] == row["minimal_length"] == 1, row
-        assert row["random_walk_length"] >= row["shrunk_length"]
-        assert row["examples_to_first_failure"] >= 1
+        assert row["minimal_length"] == 1
+        assert [run["seed"] for run in row["runs"]] == [4, 5]
+        assert row["found_at_seeds"] == row["at_minimum_at_seeds"] == 2, row
+        for run in row["runs"]:
+            assert run["shrunk_length"] == 1, run
+            assert run["random_walk_length"] >= run["shrunk_length"]
+            assert run["examples_to_first_failure"] >= 1
     assert [row["caught_by_contract"] for row in rows] == [False, False]
+
+
+def test_bench_prints_the_planted_table_with_one_length_per_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    arguments = ["bench", "--examples", "20", "--steps", "20", "--planted", "tests.planted_sample"]
+    assert main([*arguments, "--planted-seeds", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "planted bugs at 3 seeds" in table
+    assert re.search(r"FailedCallsNotCounted +3/3 +1  1 1 1 ", table), table
+    assert "found at every seed 2/2 engines; of 6 runs found 6, at the minimum 6 (100 %)" in table
 
 
 # --- nothing found is lost: --out and --report are checked before the run -----------------
@@ -465,7 +489,7 @@ def test_a_trace_that_cannot_be_written_after_a_failure_prints_the_failure_and_e
     assert code == 1, (out, err)
     assert "Traceback" not in out + err
     assert "FAILURE (§2 metrics) in 2 steps:" in out
-    assert "  step 1: prefill(session='a', epoch=1, step=0, tokens=[0])" in out
+    assert "  step 1: prefill(session='a', epoch=0, step=0, tokens=[0])" in out
     assert "  step 2: release(session='a')" in out
     assert "observed: metrics prefill_calls=1 decode_calls=0 active_sessions=0 kv_tokens=1" in out
     lines = err.splitlines()

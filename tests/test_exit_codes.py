@@ -103,7 +103,7 @@ def test_an_engine_whose_decode_raises_system_exit_0_does_not_pass(
     code, out, err = run(capsys, "fuzz", f"{engines}:DecodeExits", "--seed", "1", *SMALL, "--out", tmp_path)
     assert code == 1, (out, err)
     assert "Traceback" not in out + err
-    assert "FAILURE (unexplained exception) in 1 steps:" in out
+    assert "FAILURE (unexplained exception) in 1 step:" in out
     assert "SystemExit(0)" in out
 
 

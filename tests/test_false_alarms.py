@@ -241,13 +241,17 @@ class FlipsWithLogits(_Flips):
 
 
 def test_a_boundary_corruption_that_lands_on_the_other_side_of_a_near_tie_is_not_counted() -> None:
-    """The engine answers 4 (margin 0), a twin fed in two chunks 5; the kit's corruption
-    (4 + 1) is 5 too, a valid answer: no wrong output to detect, so no verdict at all."""
+    """Fed in two chunks, the engine answers 5 (margin 0); the twin fed one token per decode
+    (three calls) answers 6; the kit's corruption (5 + 1) is 6 too, a valid answer: no wrong
+    output to detect, so no verdict at all."""
     driver = driver_for(FlipsWithoutLogits, LoadRequest("m", 0, 0, 1))
+    driver.execute(prefill("a", 0, [0]))
     driver.execute(fault("malformed_output"))
-    record = driver.execute(prefill("a", 0, [0, 1, 2]))
+    record = driver.execute(prefill("a", 1, [1, 2]))
     assert "valid answer (a near tie); not counted" in record.observed
     assert any("not counted as an injection" in note for note in driver.notes)
+    # Never silent: the run's summary lists the detection that could not be checked.
+    assert any(caveat.startswith("malformed_output detection") for caveat in driver.caveats)
     driver.execute(fault("malformed_output"))
     assert "detected" in driver.execute(prefill("b", 0, [0])).observed  # no tie there: caught
 

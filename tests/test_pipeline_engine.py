@@ -36,6 +36,7 @@ from shardkit import (
     TokenOutput,
     assert_shard_engine_contract,
 )
+from shardkit._planted import minimal
 from shardkit._run.runner import fuzz
 from shardkit.engines.fake import FakeEngineCrash
 from shardkit.engines.pipeline import PipelineEngine
@@ -537,13 +538,13 @@ def test_cuts_must_be_increasing_ints() -> None:
 class PlantedPipeline(PipelineEngine):
     BUG: ClassVar[str]
     PROPERTY: ClassVar[str]
-    MINIMAL: ClassVar[tuple[str, ...]]
+    MINIMAL: ClassVar[tuple[minimal.Step, ...]]  # runs: see tests/test_planted_minimal.py
 
 
 class CancelReachesStage1Only(PlantedPipeline):
     BUG = "cancel is sent to the first stage only; the later stages keep the session's KV tokens"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)")
+    MINIMAL = (minimal.prefill("a"), minimal.cancel("a"))
 
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         return self.stages[0].cancel(session_id, epoch)
@@ -552,7 +553,7 @@ class CancelReachesStage1Only(PlantedPipeline):
 class ReleaseReachesStage1Only(PlantedPipeline):
     BUG = "release frees the session on the first stage only; the later stages keep its slot"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "release(a)")
+    MINIMAL = (minimal.prefill("a"), minimal.release("a"))
 
     def release(self, session_id: str) -> StructuredStatus:
         return self.stages[0].release(session_id)
@@ -564,7 +565,7 @@ class RetryRenumberedDownstream(PlantedPipeline):
         "(answered by stage 1 from its cache) reaches the tail as a new step"
     )
     PROPERTY = "§2 rule 6"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(a, epoch=0, step=0)  # resent")
+    MINIMAL = (minimal.prefill("a"), minimal.prefill("a", note="resent"))
 
     def __init__(self) -> None:
         super().__init__(cuts=(1,))  # two stages: the hook runs once per step
@@ -584,7 +585,7 @@ class RetryRenumberedDownstream(PlantedPipeline):
 class CallsCountedByStage1(PlantedPipeline):
     BUG = "call counters are read from the first stage, missing the calls the coordinator refused itself"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0, malformed=...)",)
+    MINIMAL = (minimal.prefill("a", malformed="token_out_of_vocab", note="refused by the coordinator itself"),)
 
     def metrics(self) -> MetricsResult:
         first = self.stages[0].metrics()
@@ -594,7 +595,7 @@ class CallsCountedByStage1(PlantedPipeline):
 class TailGetsTheHeadsBundle(PlantedPipeline):
     BUG = "the coordinator fans the head's bundle out to every later stage instead of chaining them"
     PROPERTY = "§3 determinism"
-    MINIMAL = ("prefill(a, epoch=0, step=0)",)
+    MINIMAL = (minimal.prefill("a"),)
 
     def __init__(self) -> None:
         super().__init__()

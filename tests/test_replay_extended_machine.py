@@ -90,7 +90,8 @@ def test_shardkit_replay_rebuilds_the_machine_and_reproduces(
     assert f"model {MODULE}:RollbackModel (recorded in the trace" in first
     assert rollback_run.failure is not None
     # The whole sequence as fuzz printed it: the header, then the violation indented as render_failure does.
-    assert f"FAILURE ({rollback_run.failure.violation.property}) in {len(rollback_run.failure.records)} steps:" in out
+    count = len(rollback_run.failure.records)
+    assert f"FAILURE ({rollback_run.failure.violation.property}) in {count} step{'s' if count != 1 else ''}:" in out
     assert textwrap.indent(rollback_run.failure.violation.message, "  ") in out
 
 

@@ -23,10 +23,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
+from shardkit._cli.parser import BENCH_PLANTED_SEEDS
 from shardkit._core.conformance import assert_shard_engine_contract
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
@@ -46,6 +48,9 @@ class BenchSettings:
     #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process
     #: (``--memory``); empty: not measured (a 3 000-example run takes minutes).
     memory_examples: tuple[int, ...] = ()
+    #: How many seeds each planted engine is fuzzed at (``seed``, ``seed + 1``, …): a bug found
+    #: at one chosen seed says little about the next run.
+    planted_seeds: int = BENCH_PLANTED_SEEDS
 
 
 def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
@@ -95,6 +100,9 @@ def _throughput(config: BenchSettings) -> dict[str, Any]:
             "kit_steps_per_s": round(kit_rate, 1),
             "bare_steps_per_s": round(bare, 1),
             "throughput_ratio": round(kit_rate / bare, 3),
+            # How long the sessions got: throughput bought with short sessions only is no gain.
+            "long_session_share": round(long_session_share(kit), 4),
+            "longest_session_histogram": session_histogram(kit),
         }
     return rows
 
@@ -141,6 +149,9 @@ def _engines(config: BenchSettings) -> dict[str, Any]:
             "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
             "decode_step_us": _decode_step_microseconds(target),
             "failure": run.failure.violation.property if run.failure is not None else None,
+            # Long histories are compared too (each by three twin paths): what that costs shows above.
+            "longest_session_decodes": max(run.longest_session, default=0),
+            "long_session_share": round(long_session_share(run), 4),
         }
     return rows
 
@@ -198,41 +209,51 @@ def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
         return f"skipped: cannot import {config.planted_module!r} ({error})"
     rows = []
     for engine in module.PLANTED:
-        started = time.perf_counter()
-        result = fuzz(
-            f"{config.planted_module}:{engine.__name__}",
-            seed=config.seed,
-            examples=config.examples,
-            steps=config.steps,
-            role=engine.ROLE,
-        )
-        total = time.perf_counter() - started
-        first_examples, first_seconds, walk_length = result.first_failure or (None, None, None)
         try:
             assert_shard_engine_contract(getattr(module, engine.__name__))
             caught_by_contract = False
         except ContractViolation:
             caught_by_contract = True
-        found = result.failure is not None and module.names_its_property(engine, result.failure.violation.property)
-        shrunk = len(result.failure.records) if result.failure is not None else None
-        hypothesis_length = _length(result.hypothesis_failure)
+        runs = [_planted_run(config, module, engine, seed) for seed in _planted_seeds(config)]
+        found = [run for run in runs if run["found"]]
         rows.append(
             {
                 "engine": engine.__name__,
                 "bug": engine.BUG,
-                "found": found,
-                "property": result.failure.violation.property if result.failure is not None else None,
-                "examples_to_first_failure": first_examples,
-                "seconds_to_first_failure": _rounded(first_seconds),
-                "random_walk_length": walk_length,
-                "shrunk_length": shrunk,
-                "hypothesis_shrunk_length": hypothesis_length,
                 "minimal_length": len(engine.MINIMAL),
-                "seconds_shrinking": _rounded(total - first_seconds) if first_seconds is not None else None,
+                "late": bool(getattr(engine, "LATE", False)),
+                "found_at_seeds": len(found),
+                "at_minimum_at_seeds": sum(run["shrunk_length"] == len(engine.MINIMAL) for run in found),
                 "caught_by_contract": caught_by_contract,
+                "runs": runs,
             }
         )
     return rows
+
+
+def _planted_seeds(config: BenchSettings) -> range:
+    return range(config.seed, config.seed + config.planted_seeds)
+
+
+def _planted_run(config: BenchSettings, module: Any, engine: Any, seed: int) -> dict[str, Any]:
+    """One planted engine fuzzed at one seed: found, how fast, how short."""
+    started = time.perf_counter()
+    result = fuzz(
+        f"{config.planted_module}:{engine.__name__}", seed=seed, examples=config.examples, steps=config.steps, role=engine.ROLE
+    )
+    total = time.perf_counter() - started
+    first_examples, first_seconds, walk_length = result.first_failure or (None, None, None)
+    return {
+        "seed": seed,
+        "found": result.failure is not None and module.names_its_property(engine, result.failure.violation.property),
+        "property": result.failure.violation.property if result.failure is not None else None,
+        "examples_to_first_failure": first_examples,
+        "seconds_to_first_failure": _rounded(first_seconds),
+        "random_walk_length": walk_length,
+        "shrunk_length": _length(result.failure),
+        "hypothesis_shrunk_length": _length(result.hypothesis_failure),
+        "seconds_shrinking": _rounded(total - first_seconds) if first_seconds is not None else None,
+    }
 
 
 def _length(failure: FailureReport | None) -> int | None:
@@ -295,6 +316,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "kit_steps_per_s": full["kit_steps_per_s"],
         "bare_steps_per_s": full["bare_steps_per_s"],
         "throughput_ratio": full["throughput_ratio"],
+        "long_session_share": full["long_session_share"],
         "per_role": throughput,
         "engines": engines,
         "out_of_process": out_of_process,
@@ -310,25 +332,16 @@ def _peak_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
 
 
-_PLANTED_COLUMNS = (
-    ("examples", "examples_to_first_failure"),
-    ("secs", "seconds_to_first_failure"),
-    ("walk", "random_walk_length"),
-    ("hyp", "hypothesis_shrunk_length"),
-    ("shrunk", "shrunk_length"),
-    ("min", "minimal_length"),
-    ("shrink s", "seconds_shrinking"),
-)
-
-
 def render(bench: dict[str, Any]) -> str:
     lines = [
         f"throughput, {bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']} (fake engine, faults on):",
-        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}",
+        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}"
+        f" {f'examples with a {LONG_SESSION_DECODES}+ decode session':>36}",
     ]
     for role, row in bench["per_role"].items():
         lines.append(
             f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
+            f" {row['long_session_share']:>36.0%}"
         )
     lines.append("engines (full role, faults on):")
     for name, row in bench["engines"].items():
@@ -337,8 +350,9 @@ def render(bench: dict[str, Any]) -> str:
         else:
             found = f"; FAILURE {row['failure']}" if row["failure"] else ""
             lines.append(
-                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs"
-                f"{found}"
+                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs; "
+                f"longest session {row['longest_session_decodes']} decodes, "
+                f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
             )
     out_of_process = bench["out_of_process"]
     if isinstance(out_of_process, str):
@@ -358,13 +372,21 @@ def render(bench: dict[str, Any]) -> str:
     if isinstance(planted, str):
         lines.append(f"planted bugs: {planted}")
     else:
-        lines.append("planted bugs (walk: length of the first failing example, as a random walk reports it):")
-        heading = "".join(f" {title:>8}" for title, _ in _PLANTED_COLUMNS)
-        lines.append(f"  {'engine':<30} {'found':<5}{heading} {'contract':>8}")
+        seeds = len(planted[0]["runs"]) if planted else 0
+        lines.append(
+            f"planted bugs at {seeds} seeds (shrunk length at each seed, min: the minimum; "
+            "secs: median seconds to the first failure):"
+        )
+        lines.append(f"  {'engine':<30} {'found':>5} {'min':>4}  {'shrunk at each seed':<24} {'secs':>6} {'contract':>8}")
         for row in planted:
-            cells = "".join(f" {_cell(row[key]):>8}" for _, key in _PLANTED_COLUMNS)
+            runs = row["runs"]
+            lengths = " ".join(_cell(run["shrunk_length"]) if run["found"] else "NO" for run in runs)
+            seconds = _median([run["seconds_to_first_failure"] for run in runs if run["found"]])
             caught = "caught" if row["caught_by_contract"] else "-"
-            lines.append(f"  {row['engine']:<30} {'yes' if row['found'] else 'NO':<5}{cells} {caught:>8}")
+            lines.append(
+                f"  {row['engine']:<30} {row['found_at_seeds']:>3}/{len(runs)} {row['minimal_length']:>4}  "
+                f"{lengths:<24} {_cell(seconds):>6} {caught:>8}"
+            )
         lines.append("  " + _planted_summary(planted))
     memory = bench["memory"]
     if isinstance(memory, str):
@@ -381,18 +403,25 @@ def render(bench: dict[str, Any]) -> str:
 
 
 def _planted_summary(planted: list[dict[str, Any]]) -> str:
-    found = [row for row in planted if row["found"]]
-    at_minimum = [row for row in found if row["shrunk_length"] == row["minimal_length"]]
-    within_one = [row for row in found if row["shrunk_length"] <= row["minimal_length"] + 1]
+    runs = [run | {"minimal_length": row["minimal_length"]} for row in planted for run in row["runs"]]
+    found = [run for run in runs if run["found"]]
+    at_minimum = [run for run in found if run["shrunk_length"] == run["minimal_length"]]
+    within_one = [run for run in found if run["shrunk_length"] <= run["minimal_length"] + 1]
+    everywhere = sum(row["found_at_seeds"] == len(row["runs"]) for row in planted)
     contract = sum(row["caught_by_contract"] for row in planted)
     return (
-        f"found {len(found)}/{len(planted)}; at the minimum {len(at_minimum)}/{len(planted)}, within one step "
-        f"{len(within_one)}/{len(planted)}; median time to first failure "
-        f"{_cell(_median([row['seconds_to_first_failure'] for row in found]))} s; median random-walk length "
-        f"{_cell(_median([row['random_walk_length'] for row in found]))} steps vs shrunk "
-        f"{_cell(_median([row['shrunk_length'] for row in found]))}; the static contract alone catches "
+        f"found at every seed {everywhere}/{len(planted)} engines; of {len(runs)} runs found {len(found)}, "
+        f"at the minimum {len(at_minimum)} ({_percent(len(at_minimum), len(runs))}), within one step "
+        f"{len(within_one)}; median time to first failure "
+        f"{_cell(_median([run['seconds_to_first_failure'] for run in found]))} s; median random-walk length "
+        f"{_cell(_median([run['random_walk_length'] for run in found]))} steps vs shrunk "
+        f"{_cell(_median([run['shrunk_length'] for run in found]))}; the static contract alone catches "
         f"{contract}/{len(planted)}"
     )
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f} %" if whole else "-"
 
 
 def _median(values: list[Any]) -> Any:

@@ -73,7 +73,7 @@ def bench_command(args: argparse.Namespace) -> int:
             message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
             raise UsageError(message)
     memory = (300, 3000) if args.memory else ()
-    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted, memory))
+    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted, memory, args.planted_seeds))
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return EXIT_OK
 

@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+#: Seeds at which ``shardkit bench`` fuzzes each planted engine (a found-at-one-seed is luck).
+BENCH_PLANTED_SEEDS = 5
 EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
 
 
@@ -197,6 +199,12 @@ def build_parser() -> _Parser:
         "--planted",
         default="shardkit._planted",
         help="module of planted-bug engines (the bundled shardkit._planted), or 'none'",
+    )
+    bench.add_argument(
+        "--planted-seeds",
+        type=_positive_int("--planted-seeds"),
+        default=BENCH_PLANTED_SEEDS,
+        help=f"fuzz each planted engine at this many seeds, from --seed on ({BENCH_PLANTED_SEEDS})",
     )
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")

@@ -7,6 +7,7 @@ state, so the machine, the static contract and replay all share them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,16 +136,18 @@ def _max_diff(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) ->
 @dataclass
 class HistoryMemo:
     """Reference payloads keyed by input history (token ids from the session epoch's
-    first step). Filled by twin engines, never by the engine under test, so a
-    wrong output can only ever be compared against, not remembered."""
+    first step), one per path of the twin oracle that computed it. Filled by twin
+    engines, never by the engine under test, so a wrong output can only ever be
+    compared against, not remembered."""
 
-    references: dict[tuple[int, ...], tuple[Payload, str]] = field(default_factory=dict)
+    references: dict[tuple[int, ...], dict[str, Payload]] = field(default_factory=dict)
 
-    def get(self, history: tuple[int, ...]) -> tuple[Payload, str] | None:
-        return self.references.get(history)
+    def get(self, history: tuple[int, ...]) -> Mapping[str, Payload]:
+        """Each path's payload for ``history`` (empty when none has answered for it)."""
+        return self.references.get(history, {})
 
-    def remember(self, history: tuple[int, ...], payload: Payload, source: str) -> None:
-        self.references.setdefault(history, (payload, source))
+    def remember(self, history: tuple[int, ...], path: str, payload: Payload) -> None:
+        self.references.setdefault(history, {}).setdefault(path, payload)
 
 
 def metrics_text(metrics: MetricsResult) -> str:

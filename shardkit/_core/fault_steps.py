@@ -52,6 +52,8 @@ class FaultSteps(OutputChecks):
     _counted_calls: int
     _crash_at: int | None
     _malformed_armed: bool
+    notes: list[str]
+    caveats: set[str]
 
     if TYPE_CHECKING:
         # The driver's call to the engine (``Driver._call`` in shardkit._core.driver).
@@ -159,6 +161,10 @@ class FaultSteps(OutputChecks):
             self.notes.append(
                 f"step {index}: the malformed output injected {where} into {action.describe()} "
                 f"is a valid answer here ({why}); not counted as an injection"
+            )
+            self.caveats.add(
+                "malformed_output detection (docs/contract.md#fault-malformed-output): an injected output "
+                "happened to be a valid answer (a near tie, or a one-token vocabulary)"
             )
             return f" — the injected output happened to be a valid answer ({why}); not counted"
         what = "the malformed output injected at the boundary went undetected: " + (

@@ -9,18 +9,25 @@ twin's own failure is a finding and when it is the reference engine's fault.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
 from shardkit._core.steps import Action
-from shardkit._core.targets import ResolvedTarget, passes_through
-from shardkit._core.twins import OracleFailure, TwinSession
+from shardkit._core.targets import ResolvedTarget, passes_through, short_name
+from shardkit._core.twins import ORACLE_PATHS, OracleFailure, Recomputer, TwinSession
 from shardkit.contract import EngineCapabilities, EngineError, StepResult
 from shardkit.errors import InvalidTarget
 
 __all__ = ["OutputChecks", "SessionLog", "flat_history"]
+
+
+def _and(phrases: Iterable[str]) -> str:
+    """``a, b and c``."""
+    listed = list(phrases)
+    return listed[0] if len(listed) == 1 else f"{', '.join(listed[:-1])} and {listed[-1]}"
 
 
 def flat_history(session: SessionState) -> tuple[int, ...]:
@@ -55,6 +62,7 @@ class OutputChecks(StepContext):
     model: ReferenceModel
     memo: HistoryMemo
     twins: dict[str, TwinSession]
+    recomputer: Recomputer | None
     split_twins: bool
     use_twins: bool
     differential: bool
@@ -112,37 +120,91 @@ class OutputChecks(StepContext):
         assert result.output is not None
         payloads = payloads_of(result.output, count)
         ends = range(len(history) - count + 1, len(history) + 1) if len(payloads) == count else [len(history)]
+        if self.use_twins:
+            self._consult_twins(request.session_id, session, history)
         unreferenced: list[tuple[int, ...]] = []
         for end, payload in zip(ends, payloads, strict=True):
-            reference = self._reference(request.session_id, session, history[:end])
-            if reference is None:
+            references = self.memo.get(history[:end])
+            if not references:
                 unreferenced.append(history[:end])
                 continue
-            expected, source = reference
-            difference = payload_difference(expected, payload, self.caps.tolerance, near_ties_may_flip=not strict)
-            if difference is not None:
-                after = f"after history {list(history[:end])}"
-                failure = Fail(
-                    "§3 determinism",
-                    f"{show(expected)} {after}, as {source} gave",
-                    show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}",
-                )
+            failure = self._judge(history[:end], payload, references, strict=strict)
+            if failure is not None:
                 return [failure], unreferenced
         return [], unreferenced
 
-    def _reference(self, session_id: str, session: SessionState, key: tuple[int, ...]) -> tuple[Payload, str] | None:
-        known = self.memo.get(key)
-        if known is not None or not self.use_twins:
-            return known
+    def _judge(
+        self, history: tuple[int, ...], payload: Payload, references: Mapping[str, Payload], *, strict: bool
+    ) -> Fail | None:
+        """The engine's ``payload`` against every path's answer for ``history``. When the paths
+        agree, their answer is expected; when they do not, no single one is taken for the truth:
+        the engine disagrees with itself, and the message shows each path's answer."""
+        tolerance = self.caps.tolerance
+        answers = [(path, references[path]) for path in ORACLE_PATHS if path in references]
+        groups: list[list[tuple[str, Payload]]] = []
+        for path, answer in answers:
+            group = next(
+                (group for group in groups if payload_difference(group[0][1], answer, tolerance) is None), None
+            )
+            if group is None:
+                groups.append([(path, answer)])
+            else:
+                group.append((path, answer))
+        after = f"after history {list(history)}"
+        twins = f"fresh twins ({short_name(self.reference.name)}, layers {self._twin_layers})"
+        if len(groups) == 1:
+            expected = groups[0][0][1]
+            # Strict, a near tie may not flip; but an answer a twin of the same engine gave is not wrong.
+            differences = [
+                payload_difference(answer, payload, tolerance, near_ties_may_flip=not strict) for _, answer in answers
+            ]
+            if None in differences:
+                return None
+            difference = differences[0]
+            ways = _and(ORACLE_PATHS[path] for path, _ in answers)
+            observed = show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}"
+            return Fail("§3 determinism", f"{show(expected)} {after}, as {twins} gave by {ways}", observed)
+        each = ", ".join(f"{ORACLE_PATHS[path]} gives {show(answer)}" for path, answer in answers)
+        if self.differential:
+            what = f"its paths disagree {after}: {each}"
+            raise self._broken_reference(what)
+        agreeing = [group for group in groups if len(group) > 1]
+        detail = ""
+        if agreeing and payload_difference(agreeing[0][0][1], payload, tolerance) is not None:
+            paths = _and(ORACLE_PATHS[path] for path, _ in agreeing[0])
+            detail = f"{paths} agree on {show(agreeing[0][0][1])}"
+        return Fail(
+            "§3 determinism",
+            f"one answer {after}, however it is chunked",
+            f"the engine's own paths disagree: {each}; the engine under test gave {show(payload)} ({twins})",
+            detail,
+        )
+
+    @property
+    def _twin_layers(self) -> str:
+        return f"{self.load_request.shard_start}..{self.load_request.shard_end}"
+
+    def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> None:
+        """Have every path of the twin oracle answer for ``history`` (and its prefixes), unless
+        the memo already holds their answers."""
+        known = self.memo.get(history)
+        if "stepwise" in known and "recompute" in known:
+            # The chunked twin answers only where a chunk ends: it is not waited for.
+            return
         try:
             twin = self.twins.get(session_id)
-            if twin is None or twin.epoch != session.epoch or key[: len(twin.fed)] != twin.fed:
-                twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
-                self.twins[session_id] = twin
-                if twin.pipeline_refused is not None:
-                    self.split_twins = False
-                    self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
-            twin.advance(key, self.memo)
+            if "stepwise" not in known:
+                if twin is None or not twin.continues(history, session.epoch):
+                    twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
+                    self.twins[session_id] = twin
+                    if twin.pipeline_refused is not None:
+                        self.split_twins = False
+                        self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
+                twin.advance(history, self.memo)
+            if "recompute" not in known:
+                if self.recomputer is None:
+                    self.recomputer = Recomputer(self.reference, self.load_request)
+                self.recomputer.answer(history, self.memo)
         except OracleFailure as failure:
             if self.differential:
                 raise self._broken_reference(str(failure)) from None
@@ -165,7 +227,6 @@ class OutputChecks(StepContext):
             raise Fail(
                 "unexplained exception", "a fresh twin to answer", f"a fresh twin raised {raised(error)}"
             ) from error
-        return self.memo.get(key)
 
     def _broken_reference(self, what: str) -> InvalidTarget:
         """The reference engine (``reference=``, ``--reference``) failed: not a failure of the

@@ -1,17 +1,29 @@
-"""The twin oracle (contract §3): fresh engines that replay one session's history alone.
+"""The twin oracle (contract §3): fresh engines that answer for one session's history by
+independent paths.
 
-A memo of outputs only catches a wrong output when the same history comes round
-again. A twin catches it the first time: a fresh engine from the same target,
-loaded the same way, fed that session's tokens alone, chunked differently,
-under another session id and epoch. Where the layer range can be split, a second twin runs
-the same history through a two-stage pipeline of sub-range engines, which checks
-composition. Twins write the memo; the engine under test is only compared to it.
+A memo of outputs only catches a wrong output when the same history comes round again.
+Twins catch it the first time: fresh engines from the same target, loaded the same way, fed
+that session's tokens alone under another session id and epoch. One twin that takes the
+same path as the engine under test would share its bugs (a decode fast path that goes wrong
+after 20 decodes goes wrong in the twin too), so each history is computed three ways:
+
+- ``recompute``: the whole history in one prefill, on an engine loaded for that alone (the
+  canonical recompute that KV-cache bugs break);
+- ``stepwise``: one token per call, the first as a prefill and every other as a decode;
+- ``chunked``: pseudo-random chunks (1 to 7 tokens) whose cuts depend on the position alone,
+  never on how the engine under test was fed: a history that grows one decode at a time is
+  still fed to this twin in chunks, which therefore answers only where a chunk ends.
+
+Where the layer range can be split, a two-stage pipeline of sub-range engines is fed the
+same chunks as ``chunked`` and must answer alike (composition). Twins write the memo; the
+engine under test is only compared to it (``shardkit._core.output_checks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import StepRequest
@@ -28,9 +40,21 @@ from shardkit.contract import (
     StructuredStatus,
 )
 
-__all__ = ["OracleFailure", "TwinSession", "split_ranges"]
+__all__ = ["ORACLE_PATHS", "OracleFailure", "Recomputer", "TwinSession", "chunk_pieces", "split_ranges"]
 
 TWIN_SESSION = "twin-oracle"
+
+#: Each path of the oracle, in the order messages name them, with how a message says it.
+ORACLE_PATHS = MappingProxyType(
+    {
+        "recompute": "a recompute in one prefill",
+        "stepwise": "one token per decode",
+        "chunked": "a random chunking",
+    }
+)
+
+#: Chunk lengths of the ``chunked`` path: short, so a history is cut in several places.
+_LONGEST_CHUNK = 7
 
 
 class OracleFailure(Exception):
@@ -53,6 +77,19 @@ def split_ranges(request: LoadRequest) -> tuple[tuple[int, int], tuple[int, int]
         return None
     cut = (start + end) // 2
     return (start, cut), (cut + 1, end)
+
+
+def chunk_pieces(start: int, end: int) -> Iterator[tuple[int, int]]:
+    """The ``chunked`` path's complete pieces from position ``start`` (a cut) up to ``end``.
+    Each piece's length (1 to 7) is a fixed hash of its start, so every history is cut at the
+    same positions, whatever its length or however the engine under test was fed, and the
+    cuts fall unlike a generator's. A piece that would end beyond ``end`` is not yet due."""
+    while True:
+        length = 1 + (start * 2654435761 >> 7) % _LONGEST_CHUNK
+        if start + length > end:
+            return
+        yield start, start + length
+        start += length
 
 
 @dataclass
@@ -78,78 +115,134 @@ def _load_stage(build: Callable[[], ShardEngine], request: LoadRequest, start: i
 
 
 @dataclass
+class _Feed:
+    """One twin fed a history piece by piece, as one session at epoch 0."""
+
+    stages: list[_Stage]
+    steps: int = 0
+
+    def send(self, history: tuple[int, ...], start: int, end: int) -> tuple[range | list[int], list[Payload]]:
+        """Feed ``history[start:end]`` as the next step: the payloads and the history
+        lengths they speak for."""
+        piece = history[start:end]
+        op = "decode" if start > 0 and len(piece) == 1 else "prefill"
+        action = step_action(op, TWIN_SESSION, 0, self.steps, piece)
+        payloads = _feed(self.stages, action)
+        self.steps += 1
+        ends = range(start + 1, end + 1) if len(payloads) == len(piece) else [end]
+        return ends, payloads
+
+
+@dataclass
 class TwinSession:
-    """The twins shadowing one session epoch of the engine under test."""
+    """The twins answering for one session epoch of the engine under test."""
 
     epoch: int
-    single: list[_Stage]
-    pipeline: list[_Stage] | None
+    build: Callable[[], ShardEngine]
+    request: LoadRequest
+    stepwise: _Feed
+    chunked: _Feed
+    pipeline: _Feed | None
+    label: str
     fed: tuple[int, ...] = field(default_factory=tuple)
+    #: The end of the last chunk fed to the ``chunked`` twin (and the pipeline).
+    chunked_to: int = 0
     #: Why composition is not checked, when the engine cannot load the sub-ranges.
     pipeline_refused: str | None = None
 
     @classmethod
     def start(cls, build: Callable[[], ShardEngine], request: LoadRequest, epoch: int, split: bool) -> TwinSession:
-        single = [_load_stage(build, request, request.shard_start, request.shard_end)]
-        single[0].label = f"{_engine_name(build)}, {single[0].label}"
+        whole = (request.shard_start, request.shard_end)
+        stepwise = _Feed([_load_stage(build, request, *whole)])
+        chunked = _Feed([_load_stage(build, request, *whole)])
+        label = f"{_engine_name(build)}, layers {whole[0]}..{whole[1]}"
         ranges = split_ranges(request) if split else None
         if ranges is None:
-            return cls(epoch, single, None)
+            return cls(epoch, build, request, stepwise, chunked, None, label)
         try:
-            pipeline = [_load_stage(build, request, start, end) for start, end in ranges]
+            pipeline = _Feed([_load_stage(build, request, start, end) for start, end in ranges])
         except EngineError as refusal:
-            return cls(epoch, single, None, pipeline_refused=f"the engine cannot load a split of its range: {refusal}")
-        return cls(epoch, single, pipeline)
+            refused = f"the engine cannot load a split of its range: {refusal}"
+            return cls(epoch, build, request, stepwise, chunked, None, label, pipeline_refused=refused)
+        return cls(epoch, build, request, stepwise, chunked, pipeline, label)
 
-    steps: int = 0
+    def continues(self, history: tuple[int, ...], epoch: int) -> bool:
+        """Whether this twin has been fed a beginning of ``history`` in ``epoch``."""
+        return self.epoch == epoch and history[: len(self.fed)] == self.fed
 
     def advance(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
-        """Feed the twins the part of ``history`` they have not seen, and remember
-        what they answer for each prefix they speak for.
+        """Feed the ``stepwise`` twin the part of ``history`` it has not seen, and the
+        ``chunked`` twin (and the pipeline) each chunk now complete, remembering what each
+        answers for each prefix."""
+        assert self.continues(history, self.epoch), "a twin only ever moves forward"
+        for position in range(len(self.fed), len(history)):
+            ends, payloads = self.stepwise.send(history, position, position + 1)
+            _remember(memo, history, "stepwise", ends, payloads)
+        self.fed = history
+        for piece_start, piece_end in chunk_pieces(self.chunked_to, len(history)):
+            ends, payloads = self.chunked.send(history, piece_start, piece_end)
+            if self.pipeline is not None:
+                self._check_composition(history, ends, payloads, self.pipeline.send(history, piece_start, piece_end)[1])
+            _remember(memo, history, "chunked", ends, payloads)
+            self.chunked_to = piece_end
 
-        The new tokens go in as two pieces, the first token alone and then the
-        rest, so the twins' chunk boundaries differ from the engine under test's
-        (chunking invariance) at a cost of two calls per twin, not one per token.
-        """
-        assert history[: len(self.fed)] == self.fed, "a twin only ever moves forward"
-        start = len(self.fed)
-        for piece_start, piece_end in ((start, start + 1), (start + 1, len(history))):
-            if piece_end > piece_start:
-                self._feed_piece(history, piece_start, piece_end, memo)
+    def _check_composition(
+        self, history: tuple[int, ...], ends: range | list[int], single: list[Payload], piped: list[Payload]
+    ) -> None:
+        assert self.pipeline is not None
+        tolerance = self.chunked.stages[0].caps.tolerance
+        for position, reference, other in zip(ends, single, piped, strict=True):
+            difference = payload_difference(reference, other, tolerance)
+            if difference is not None:
+                stages = " → ".join(stage.label for stage in self.pipeline.stages)
+                message = (
+                    f"composition: after history {list(history[:position])}, the pipeline {stages} "
+                    f"gave {difference} of the single engine ({self.label})"
+                )
+                raise OracleFailure("§3 composition", message)
 
-    def _feed_piece(self, history: tuple[int, ...], start: int, end: int, memo: HistoryMemo) -> None:
-        piece = history[start:end]
-        op = "decode" if start > 0 and len(piece) == 1 else "prefill"
-        action = step_action(op, TWIN_SESSION, 0, self.steps, piece)
-        references = self._feed(self.single, action)
-        ends = range(start + 1, end + 1) if len(references) == len(piece) else [end]
-        if self.pipeline is not None:
-            piped = self._feed(self.pipeline, action)
-            for position, reference, other in zip(ends, references, piped, strict=True):
-                difference = payload_difference(reference, other, self.single[0].caps.tolerance)
-                if difference is not None:
-                    stages = " → ".join(stage.label for stage in self.pipeline)
-                    message = (
-                        f"composition: after history {list(history[:position])}, the pipeline {stages} "
-                        f"gave {difference} of the single engine ({self.single[0].label})"
-                    )
-                    raise OracleFailure("§3 composition", message)
-        self.steps += 1
-        self.fed = history[:end]
-        source = f"a fresh twin ({self.single[0].label}, chunked differently)"
-        for position, reference in zip(ends, references, strict=True):
-            memo.remember(history[:position], reference, source)
 
-    def _feed(self, stages: list[_Stage], action: Action) -> list[Payload]:
-        request = build_request(action, stages[0].caps)
-        result = _send(stages[0], request, action)
-        for stage in stages[1:]:
-            # output_problems has already checked that an upstream stage returns a bundle.
-            assert isinstance(result.output, BoundaryBundle)
-            request = replace(request, token_ids=None, bundle=result.output)
-            result = _send(stage, request, action)
-        assert result.output is not None
-        return payloads_of(result.output, len(action.args["tokens"]))
+class Recomputer:
+    """The ``recompute`` path: each history in one prefill, as a session of its own that is
+    released at once, on one twin engine per example (loading an engine per history cost a
+    real engine more than the prefill). A correct engine's answer depends on the history
+    alone, so the engine's earlier sessions cannot change it; where they do, the paths
+    disagree and the engine is at fault either way."""
+
+    def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest) -> None:
+        self.stage = _load_stage(build, request, request.shard_start, request.shard_end)
+        self.recomputed = 0
+
+    def answer(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+        session = f"{TWIN_SESSION}-recompute-{self.recomputed}"
+        self.recomputed += 1
+        action = step_action("prefill", session, 0, 0, history)
+        payloads = _feed([self.stage], action)
+        ends = range(1, len(history) + 1) if len(payloads) == len(history) else [len(history)]
+        _remember(memo, history, "recompute", ends, payloads)
+        released = self.stage.engine.release(session)
+        if not isinstance(released, StructuredStatus) or not released.ok:
+            message = f"a fresh twin ({self.stage.label}) answered release({session!r}) with {released!r}, not OK"
+            raise OracleFailure("§3 twin oracle", message)
+
+
+def _remember(
+    memo: HistoryMemo, history: tuple[int, ...], path: str, ends: range | list[int], payloads: list[Payload]
+) -> None:
+    for position, payload in zip(ends, payloads, strict=True):
+        memo.remember(history[:position], path, payload)
+
+
+def _feed(stages: list[_Stage], action: Action) -> list[Payload]:
+    request = build_request(action, stages[0].caps)
+    result = _send(stages[0], request, action)
+    for stage in stages[1:]:
+        # output_problems has already checked that an upstream stage returns a bundle.
+        assert isinstance(result.output, BoundaryBundle)
+        request = replace(request, token_ids=None, bundle=result.output)
+        result = _send(stage, request, action)
+    assert result.output is not None
+    return payloads_of(result.output, len(action.args["tokens"]))
 
 
 def _send(stage: _Stage, request: StepRequest, action: Action) -> StepResult:

@@ -69,7 +69,10 @@ def replay_actions(
         try:
             driver.execute(action)
         except StepFailed as failed:
-            return FailureReport(failed.violation, list(driver.records), failure.load_request, failure.faults)
+            records = list(driver.records)
+            return FailureReport(
+                failed.violation, records, failure.load_request, failure.faults, notes=tuple(driver.notes)
+            )
     return None
 
 

@@ -28,7 +28,9 @@ from hypothesis.strategies import SearchStrategy
 
 from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
 from shardkit._core.model import ReferenceModel, SessionState
-from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, malformations_for, step_action
+from shardkit._core.outcomes import CRASHED
+from shardkit._core.output_checks import flat_history
+from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformations_for, step_action
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
@@ -49,11 +51,32 @@ __all__ = [
     "step_rule",
 ]
 
-#: Realistic ids: short and long, non-ASCII, sharing prefixes, with separators.
-SESSION_IDS = ("a", "b", "req-0001", "req-0001/retry", "sess-é-日本語", "x" * 200, "a b", "req-00010")
-CHUNK_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 64)
+#: Realistic ids: short and long, non-ASCII, with separators, and sharing prefixes. The
+#: ids that share one come right after "a" and "b", so that an engine holding four or five
+#: sessions often holds ``req-0001``, ``req-00010`` and ``req-0001/retry`` at once (a
+#: session table keyed on a truncated or prefix-matched id mixes them up).
+SESSION_IDS = ("a", "b", "req-0001", "req-00010", "req-0001/retry", "a b", "sess-é-日本語", "x" * 200)
+#: Session choices 0-5 pick a live session; from 6 on, an id the engine does not know.
 LIVE_CHOICES = 6
+#: The choices of the rules that open sessions: enough that every id of ``SESSION_IDS``
+#: is one step away while it is unknown, however many sessions are live.
+OPENING_CHOICES = LIVE_CHOICES + len(SESSION_IDS)
+#: Chunk codes name a length (``chunk_length``) and one of these token patterns.
+CHUNK_PATTERNS = ("low ramp", "high ramp", "repeats", "follows a history")
+#: The lengths a chunk code names, before ``chunk_length`` sizes the last four to the engine.
+CHUNK_LADDER = 8
+#: No chunk is longer, however large the engine's budget: one step must not allocate
+#: millions of tokens because an engine reports a budget that large.
+MAX_CHUNK = 1 << 16
+#: A ``decode_run`` of k decodes: k is one of these, or as many as the budget leaves room for.
+DECODE_RUNS = (1, 8, 32)
+#: No run is longer: a budget of millions of tokens would make one rule run for hours.
+MAX_DECODE_RUN = 4096
+#: Epochs a restart adds to a known session's (it must go up to restart at all).
 EPOCH_JUMPS = (1, 2, 1000, 2**62)
+#: Epochs a restart opens an unknown id at: 0 first, so a shrunk failure says epoch 0
+#: wherever 0 fails the same way as 1 (rule 3 lets an id open at any epoch).
+OPENING_EPOCHS = (0, 1, 1000, 2**62)
 STEP_DELTAS = (1, 2, -2, 2**62)
 DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
 
@@ -79,6 +102,9 @@ class FailureReport:
     faults: frozenset[str]
     layout: int = 0
     choices: tuple[Choice, ...] = ()
+    #: What the driver noted while running these steps (an engine restarted after an injected
+    #: crash, an injection that landed on a valid answer): shown with the failure.
+    notes: tuple[str, ...] = ()
 
 
 def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -118,6 +144,10 @@ class RunObserver:
     coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Each check the driver could not make, with the number of examples it was skipped in.
     caveats: Counter[str] = field(default_factory=Counter)
+    #: Examples by the accepted decodes of their longest session epoch: {decodes: examples}.
+    #: Kept current as each example runs (an example moves up as its session grows), so it
+    #: always sums to ``examples`` and a snapshot at the first failure covers the same ones.
+    longest_session: Counter[int] = field(default_factory=Counter)
     failure: FailureReport | None = None
     #: Called with each failing example as it happens (the runner writes its trace).
     on_failure: Callable[[FailureReport], object] | None = None
@@ -273,7 +303,16 @@ class ShardMachine(RuleBasedStateMachine):
             model_factory=type(self).model_factory,
             custom_ops=self.custom_ops,
         )
+        #: The prefills and decodes this example's engines served or died on, by session id,
+        #: oldest first, kept across releases, restarts and crashes (the driver's logs start
+        #: again with each engine): what ``resend`` draws its ghosts from.
+        self.sent: dict[str, list[Action]] = {}
+        #: The decodes accepted in each session's current epoch, with the model's state
+        #: object they count for (a new object means the epoch was opened again).
+        self._decodes: dict[str, tuple[SessionState, int]] = {}
+        self._longest = 0
         self.stats.examples += 1
+        self.stats.longest_session[0] += 1
         if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
             stop_hypothesis()
         if self.stats.on_example is not None:
@@ -311,12 +350,43 @@ class ShardMachine(RuleBasedStateMachine):
             stats.caveats.update(caveats - counted)
             counted |= caveats
 
+    def _remember(self, action: Action, outcome: str) -> None:
+        """Keep a prefill or decode for ``resend`` if the engine served it or died on it,
+        unless it repeats the session's last one. Those are the requests a duplicate or a
+        client's retry sends again; one refused is refused again, and keeping those would
+        push the served ones out of ``resend``'s reach."""
+        if action.op in STEP_OPS and outcome in ("OK", CRASHED):
+            sent = self.sent.setdefault(str(action.args["session"]), [])
+            if not sent or sent[-1].args != action.args or sent[-1].op != action.op:
+                sent.append(action)
+
+    def _count_decode(self, stats: RunObserver, session_id: str, before: int | None) -> None:
+        """Count an accepted decode that advanced its session (a retry does not), and move
+        the example up ``longest_session`` when this session is its longest so far."""
+        session = self.driver.model.sessions.get(session_id)
+        if session is None or before is None or session.next_step != before + 1:
+            return
+        counted = self._decodes.get(session_id)
+        decodes = counted[1] + 1 if counted is not None and counted[0] is session else 1
+        self._decodes[session_id] = (session, decodes)
+        if decodes > self._longest:
+            stats.longest_session[self._longest] -= 1
+            if not stats.longest_session[self._longest]:
+                del stats.longest_session[self._longest]
+            stats.longest_session[decodes] += 1
+            self._longest = decodes
+
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
         stats = self.stats
         if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
             stop_hypothesis()
         stats.steps += 1
+        decoding = str(action.args["session"]) if action.op == "decode" else None
+        before = None
+        if decoding is not None:
+            session = self.driver.model.sessions.get(decoding)
+            before = session.next_step if session is not None else None
         try:
             record = self.driver.execute(action)
         except StepFailed as failure:
@@ -331,6 +401,7 @@ class ShardMachine(RuleBasedStateMachine):
                 self.fault_kinds,
                 self.layout,
                 tuple(self.choices),
+                tuple(self.driver.notes),
             )
             stats.failures_seen += 1
             if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
@@ -340,13 +411,18 @@ class ShardMachine(RuleBasedStateMachine):
             raise
         self._count_caveats(stats)
         stats.coverage[(coverage_op(action), record.outcome)] += 1
+        self._remember(action, record.outcome)
+        if decoding is not None and record.outcome == "OK":
+            self._count_decode(stats, decoding, before)
         if currently_in_test_context():
             event(f"{coverage_op(action)}→{record.outcome}")
         return record
 
     def session_id(self, choice: int) -> str:
-        """Choices 0-5 pick a live session (0 is the oldest), 6-7 an id the engine does
-        not know; with no live session every choice names an unknown id, 0 the first."""
+        """Choices 0-5 pick a live session (0 is the oldest), 6 and up an id the engine does
+        not know (6 the first of ``SESSION_IDS``, 7 the next, …; rules that open sessions
+        draw up to ``OPENING_CHOICES - 1`` and so reach every one); with no live session
+        every choice names an unknown id, 0 the first."""
         live = list(self.driver.model.sessions)
         unknown = [session for session in SESSION_IDS if session not in live]
         if live and choice < LIVE_CHOICES:
@@ -358,26 +434,97 @@ class ShardMachine(RuleBasedStateMachine):
         session = self.driver.model.sessions.get(session_id)
         return (session.epoch, session.next_step) if session is not None else (0, 0)
 
-    def chunk(self, code: int) -> tuple[int, ...]:
-        """One integer names a chunk: its length, and tokens from the low or high end of the vocabulary."""
+    def room(self, session_id: str | None = None, *, restarting: bool = False) -> int:
+        """Tokens the cache can still take under the model's limit (a memory_pressure fault
+        lowers it), counting those a restart of ``session_id`` would free."""
+        model = self.driver.model
+        freed = 0
+        if restarting and session_id is not None:
+            session = model.sessions.get(session_id)
+            freed = session.kv_tokens if session is not None else 0
+        return max(model.max_kv_tokens - model.kv_tokens + freed, 0)
+
+    def chunk_length(self, code: int, room: int) -> int:
+        """The length a chunk code names: 1, 2, 3, 8, then sized to the engine: a quarter
+        plus one and half of its ``max_kv_tokens`` (the fake's 17 and 32; an engine with
+        4 096 tokens gets 1 025 and 2 048), exactly ``room`` (fills the budget), and one
+        over it (refused for capacity). Short ones first, so a shrunk chunk is short."""
+        most = self.driver.caps.max_kv_tokens
+        ladder = (1, 2, 3, 8, most // 4 + 1, most // 2, room, room + 1)
+        return min(max(ladder[code % CHUNK_LADDER], 1), MAX_CHUNK)
+
+    def history_tokens(self, session_id: str) -> tuple[int, ...]:
+        """The token ids a live session's epoch has accepted, in order (a bundle's sideband
+        for a middle or tail); () for an unknown id."""
+        session = self.driver.model.sessions.get(session_id)
+        return flat_history(session) if session is not None else ()
+
+    def chunk(self, code: int, session: str | None = None, *, restarting: bool = False) -> tuple[int, ...]:
+        """One integer names a chunk for ``session``: its length (``chunk_length``, code % 8)
+        and its tokens (code // 8): a ramp from the low end of the vocabulary, one from the
+        high end, a repeated motif using both ends, or tokens that follow the longest live
+        history for all but the last token and then differ from it.
+
+        The last pattern makes prefix families: two histories that agree on their first k
+        tokens and differ after them, which a prefix cache keyed on the first tokens (or on
+        the length and a prefix) mixes up. The low ramp ([0], [0, 3], [0, 3, 6], …) and the
+        repeats ([0, 0, V-1, …]) share their first token, so short families exist without it."""
         vocab = self.driver.caps.vocab_size
-        length = CHUNK_LENGTHS[code % len(CHUNK_LENGTHS)]
-        if code // len(CHUNK_LENGTHS) == 0:
+        length = self.chunk_length(code, self.room(session, restarting=restarting))
+        pattern = code // CHUNK_LADDER % len(CHUNK_PATTERNS)
+        if pattern == 0:
             return tuple(index * 3 % vocab for index in range(length))
-        return tuple((vocab - 1 - index * 5) % vocab for index in range(length))
+        if pattern == 1:
+            return tuple((vocab - 1 - index * 5) % vocab for index in range(length))
+        if pattern == 2:
+            return tuple(vocab - 1 if index % 3 == 2 else 0 for index in range(length))
+        return self._following(length, session, restarting=restarting)
+
+    def _following(self, length: int, session: str | None, *, restarting: bool) -> tuple[int, ...]:
+        """``length`` tokens continuing the longest live history (the session's own epoch
+        being restarted included) from where ``session``'s history ends, except the last,
+        which differs from the one that history has there. Without such a history, the low
+        ramp stands in for it."""
+        vocab = self.driver.caps.vocab_size
+        own = 0 if restarting or session is None else len(self.history_tokens(session))
+        source: tuple[int, ...] = ()
+        for other in self.driver.model.sessions:
+            if other != session or restarting:
+                tokens = self.history_tokens(other)
+                if len(tokens) > max(own, len(source)):
+                    source = tokens
+        if len(source) <= own:
+            source = tuple(index * 3 % vocab for index in range(own + length))
+        shared = list(source[own : own + length - 1])
+        for position in range(own + len(shared), own + length):
+            known = source[position] if position < len(source) else position * 3
+            shared.append((known + 1) % vocab)
+        return tuple(shared)
 
     def token(self, code: int) -> int:
         vocab = self.driver.caps.vocab_size
         return (0, vocab - 1, 1, 2, 3, 5, 8, 13)[code % 8] % vocab
 
+    def ghost_or_live(self, choice: int) -> str | None:
+        """The session whose earlier requests ``resend`` sends again: choices 0-5 a live one,
+        6 and up one this example sent requests for that holds no session now (released,
+        or dropped by a crash), in the order they were first used; None if neither exists."""
+        live = list(self.driver.model.sessions)
+        ghosts = [session for session in self.sent if session not in live]
+        if live and (choice < LIVE_CHOICES or not ghosts):
+            return live[choice % len(live)]
+        if ghosts:
+            return ghosts[max(choice - LIVE_CHOICES, 0) % len(ghosts) if live else choice % len(ghosts)]
+        return None
+
     # --- session rules -------------------------------------------------------------------
 
-    @step_rule(session=st.integers(0, 7), chunk=st.integers(0, 15))
+    @step_rule(session=st.integers(0, OPENING_CHOICES - 1), chunk=st.integers(0, 31))
     def prefill(self, session: int, chunk: int) -> None:
         """Prefill the next chunk (opening an unknown id at epoch 0)."""
         sid = self.session_id(session)
         epoch, step = self.position(sid)
-        self.run(step_action("prefill", sid, epoch, step, self.chunk(chunk)))
+        self.run(step_action("prefill", sid, epoch, step, self.chunk(chunk, sid)))
 
     @step_rule(session=st.integers(0, 7), token=st.integers(0, 7))
     def decode(self, session: int, token: int) -> None:
@@ -385,22 +532,42 @@ class ShardMachine(RuleBasedStateMachine):
         epoch, step = self.position(sid)
         self.run(step_action("decode", sid, epoch, step, (self.token(token),)))
 
+    @step_rule(session=st.integers(0, 7), length=st.integers(0, 3), token=st.integers(0, 7))
+    def decode_run(self, session: int, length: int, token: int) -> None:
+        """Decode one session 1, 8 or 32 times in a row, or as often as its budget has room
+        for (``length`` 3), each decode a step of its own; stops at the first one not served.
+
+        Engines ship bugs that only a long history reaches (a cache block, ring buffer or
+        position counter that wraps), and single decodes drawn among a dozen rules almost
+        never make one: this rule makes a session of 32 decodes a matter of two steps."""
+        sid = self.session_id(session)
+        count = (*DECODE_RUNS, self.room())[length]
+        for offset in range(min(max(count, 1), MAX_DECODE_RUN)):
+            epoch, step = self.position(sid)
+            record = self.run(step_action("decode", sid, epoch, step, (self.token(token + offset),)))
+            if record.outcome != "OK":
+                return
+
     @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))
     def resend(self, session: int, back: int) -> None:
-        """Send an earlier request again exactly, as a network duplicate would (0 = the last one)."""
-        sent = self.driver.log(self.session_id(session)).sent
+        """Send an earlier request again exactly (0 = the session's last one), as a network
+        duplicate or a client retrying late would: the session's requests of earlier epochs
+        and from before a crash included, and with choices 6-7, or once no session is live,
+        the requests of a session that is gone (a ghost: released, or dropped by a crash)."""
+        sid = self.ghost_or_live(session)
+        sent = self.sent.get(sid, []) if sid is not None else []
         if sent:
             earlier = sent[-1 - back % len(sent)]
             self.run(Action(earlier.op, earlier.args, note="resent"))
 
-    @step_rule(session=st.integers(0, 7), jump=st.integers(0, 3), chunk=st.integers(0, 15))
+    @step_rule(session=st.integers(0, OPENING_CHOICES - 1), jump=st.integers(0, 3), chunk=st.integers(0, 31))
     def restart(self, session: int, jump: int, chunk: int) -> None:
-        """Prefill step 0 at a higher epoch (an unknown id opens there)."""
+        """Prefill step 0 at a higher epoch; an unknown id opens at epoch 0, 1, 1000 or 2**62."""
         sid = self.session_id(session)
         known = sid in self.driver.model.sessions
-        epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else EPOCH_JUMPS[jump]
+        epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else OPENING_EPOCHS[jump]
         note = "epoch bump" if known else "opens at a higher epoch"
-        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk), note=note))
+        self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk, sid, restarting=known), note=note))
 
     @step_rule(session=st.integers(0, 7), higher=st.integers(0, 1), op=st.integers(0, 1))
     def wrong_epoch(self, session: int, higher: int, op: int) -> None:

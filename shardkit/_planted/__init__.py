@@ -1,8 +1,9 @@
 """Planted-bug engines: each wraps the fake and breaks exactly one rule or property.
 
 Every engine states what it breaks, which property the kit must name, the role
-it needs, and the length of its minimal failing sequence (with that sequence
-written out), so the self-tests can check both finding and shrinking.
+it needs, and its minimal failing sequence as steps that run (``MINIMAL``, see
+``shardkit._planted.minimal``), so the self-tests can check finding, shrinking and
+that the stated sequence really fails, and fails no more once any step is dropped.
 
 Private: they ship in the package so that ``shardkit bench`` measures them from an
 installed wheel too; the self-tests import them as ``tests.planted``, which
@@ -30,6 +31,7 @@ from shardkit import (
     TokenOutput,
 )
 from shardkit import DelegatingEngine as PublicDelegatingEngine
+from shardkit._planted.minimal import KvTokens, Step, cancel, decode, fault, prefill, release
 
 StepRequest = PrefillRequest | DecodeRequest
 
@@ -49,8 +51,11 @@ class PlantedEngine(DelegatingEngine):
     PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
     #: Other properties through which the same bug may surface first, depending on the sequence.
     ALSO: ClassVar[tuple[str, ...]] = ()
-    MINIMAL: ClassVar[tuple[str, ...]]  # the minimal failing sequence, one step per line
+    #: The minimal failing sequence, one ``Step`` each; ``len(MINIMAL)`` is the minimum length.
+    MINIMAL: ClassVar[tuple[Step, ...]]
     ROLE: ClassVar[str] = "full"
+    #: The faults a run needs to find it (``--faults``); its MINIMAL's trace enables these.
+    FAULTS: ClassVar[str] = "all"
     CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
     #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
     LATE: ClassVar[bool] = False
@@ -58,11 +63,16 @@ class PlantedEngine(DelegatingEngine):
     def inject_fault(self, fault: Fault) -> StructuredStatus:
         return self.inner.inject_fault(fault)
 
+    def _shift(self, result: StepResult) -> StepResult:
+        """``result`` with the next token id in place of its own: a wrong answer for any
+        vocabulary of two or more, whose size is the engine's own (its capabilities)."""
+        return _shift_token(result, self.inner.capabilities().vocab_size)
 
-def _shift_token(result: StepResult) -> StepResult:
+
+def _shift_token(result: StepResult, vocab_size: int) -> StepResult:
     if isinstance(result.output, TokenOutput):
-        vocab = 32
-        return replace(result, output=TokenOutput((result.output.token_id + 1) % vocab, result.output.margin))
+        token = (result.output.token_id + 1) % vocab_size
+        return replace(result, output=TokenOutput(token, result.output.margin))
     return result
 
 
@@ -76,7 +86,7 @@ def _with_ids(request: StepRequest, epoch: int, step: int) -> StepRequest:
 class StaleEpochAccepted(PlantedEngine):
     BUG = "serves a request whose epoch is lower than the session's, as if it were current"
     PROPERTY = "§2 rule 4"
-    MINIMAL = ("prefill(a, epoch=1, step=0)  # opens at epoch 1", "prefill(a, epoch=0, step=1)  # stale epoch")
+    MINIMAL = (prefill("a", epoch=1, note="opens at epoch 1"), prefill("a", epoch=0, step=1, note="stale epoch"))
     CONTRACT_CHECK = "a stale epoch is ABORTED"
 
     def __init__(self) -> None:
@@ -102,7 +112,7 @@ class StaleEpochAccepted(PlantedEngine):
 class DecodeOfUnknownSessionServed(PlantedEngine):
     BUG = "a decode of an unknown session is served from a fresh cache instead of NOT_FOUND"
     PROPERTY = "§2 rule 3"
-    MINIMAL = ("decode(a, epoch=0, step=0)",)
+    MINIMAL = (decode("a", step=0),)
     CONTRACT_CHECK = "decode of an unknown session is NOT_FOUND/MISS"
 
     def decode(self, request: DecodeRequest) -> StepResult:
@@ -118,7 +128,7 @@ class DecodeOfUnknownSessionServed(PlantedEngine):
 class ReleaseLeaksKvTokens(PlantedEngine):
     BUG = "release frees the slot but keeps counting the session's KV tokens"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "release(a)")
+    MINIMAL = (prefill("a"), release("a"))
     CONTRACT_CHECK = "metrics return to zero after release"
 
     def __init__(self) -> None:
@@ -139,7 +149,7 @@ class ReleaseLeaksKvTokens(PlantedEngine):
 class RetryAppliedTwice(PlantedEngine):
     BUG = "an exact retry of the last step is applied again, as the next step"
     PROPERTY = "§2 rule 6"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(a, epoch=0, step=0)  # resent")
+    MINIMAL = (prefill("a"), prefill("a", note="resent"))
     CONTRACT_CHECK = "a retry is idempotent"
 
     def __init__(self) -> None:
@@ -164,7 +174,7 @@ class RetryAppliedTwice(PlantedEngine):
 class MiddleDropsSideband(PlantedEngine):
     BUG = "a middle shard drops the token-id sideband instead of passing it through"
     PROPERTY = "§3 shape and range"
-    MINIMAL = ("prefill(a, epoch=0, step=0)",)
+    MINIMAL = (prefill("a"),)
     ROLE = "middle"
     CONTRACT_CHECK = "a middle shard's outputs are well-formed"
 
@@ -184,7 +194,7 @@ class MiddleDropsSideband(PlantedEngine):
 class CancelLeaksKvTokens(PlantedEngine):
     BUG = "cancel marks the session cancelled but does not free its KV tokens"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)")
+    MINIMAL = (prefill("a"), cancel("a"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -208,19 +218,19 @@ class CancelLeaksKvTokens(PlantedEngine):
 class OutputDependsOnChunking(PlantedEngine):
     BUG = "a prefill chunk of several tokens predicts another token than the same tokens fed one by one"
     PROPERTY = "§3 determinism"
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0, 3])",)
+    MINIMAL = (prefill("a", tokens=(0, 3)),)
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         result = self.inner.prefill(request)
         if request.token_ids is not None and len(request.token_ids) > 1:
-            return _shift_token(result)
+            return self._shift(result)
         return result
 
 
 class SessionStateBleeds(PlantedEngine):
     BUG = "a session's output depends on whether another session is live (a shared cache slot)"
     PROPERTY = "§3 determinism"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0)")
+    MINIMAL = (prefill("a"), prefill("b"))
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         return self._bleed(self.inner.prefill(request))
@@ -229,14 +239,14 @@ class SessionStateBleeds(PlantedEngine):
         return self._bleed(self.inner.decode(request))
 
     def _bleed(self, result: StepResult) -> StepResult:
-        return _shift_token(result) if self.inner.metrics().active_sessions > 1 else result
+        return self._shift(result) if self.inner.metrics().active_sessions > 1 else result
 
 
 class EvictsLiveSessions(PlantedEngine):
     BUG = "when every slot is taken, the oldest live session is evicted silently to make room"
     PROPERTY = "§2 rule 7"
     ALSO = ("§2 metrics",)  # an eviction that still ends refused shows only in the counts
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0, tokens=64 of them)  # a is evicted")
+    MINIMAL = (prefill("a"), prefill("b", tokens=KvTokens(), note="a is evicted"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,19 +270,35 @@ class EvictsLiveSessions(PlantedEngine):
 class CrashesOnCancelOfNewerEpoch(PlantedEngine):
     BUG = "cancel at an epoch above the session's raises (an unhandled lookup) instead of NOT_FOUND"
     PROPERTY = "unexplained exception"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=1)")
+    MINIMAL = (prefill("a"), cancel("a", epoch=1))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: dict[str, int] = {}  # its own record, not the fake's messages
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if result.status.ok and request.step == 0:
+            self.epochs[request.session_id] = request.epoch
+        return result
 
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         status = self.inner.cancel(session_id, epoch)
-        if status.code is StatusCode.NOT_FOUND and "epoch" in status.message and "unknown" not in status.message:
+        known = self.epochs.get(session_id)
+        if status.code is StatusCode.NOT_FOUND and known is not None and epoch > known:
             raise KeyError((session_id, epoch))
         return status
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self.epochs.pop(session_id, None)
+        return self.inner.release(session_id)
 
 
 class RefusedPrefillLeavesTokens(PlantedEngine):
     BUG = "a prefill refused for capacity still leaves its tokens counted in the cache"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=64 of them)", "prefill(a, epoch=0, step=1)")
+    # One chunk over the budget on an empty engine is refused, and its tokens stay counted.
+    MINIMAL = (prefill("a", tokens=KvTokens(extra=1), note="refused: over the budget"),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -296,7 +322,7 @@ class RefusedPrefillLeavesTokens(PlantedEngine):
 class FailedCallsNotCounted(PlantedEngine):
     BUG = "decode_calls counts only successful decodes"
     PROPERTY = "§2 metrics"
-    MINIMAL = ("decode(a, epoch=0, step=0)",)
+    MINIMAL = (decode("a", step=0),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -315,7 +341,7 @@ class FailedCallsNotCounted(PlantedEngine):
 class MemoryPressureIgnored(PlantedEngine):
     BUG = "accepts a memory_pressure fault but keeps admitting tokens up to the old limit"
     PROPERTY = "§2 rule 7"
-    MINIMAL = ("fault(memory_pressure, value=0)", "prefill(a, epoch=0, step=0)")
+    MINIMAL = (fault("memory_pressure", 0), prefill("a"))
 
     def inject_fault(self, fault: Fault) -> StructuredStatus:
         if fault.kind == "memory_pressure":
@@ -332,7 +358,7 @@ class MemoryPressureIgnored(PlantedEngine):
 class CancelledSessionStillServes(PlantedEngine):
     BUG = "a cancelled session still serves decodes (from a cache it claims to have freed)"
     PROPERTY = "§2 rule 5"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)", "decode(a, epoch=0, step=1)")
+    MINIMAL = (prefill("a"), cancel("a"), decode("a", step=1))
     CONTRACT_CHECK = "cancel then decode is CANCELLED"
 
     def decode(self, request: DecodeRequest) -> StepResult:
@@ -345,7 +371,7 @@ class CancelledSessionStillServes(PlantedEngine):
 class PrefixCacheKeyedOnFirstToken(PlantedEngine):
     BUG = "a prefix cache keyed on the first token serves another prompt's cached answer"
     PROPERTY = "§3 determinism"
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(b, epoch=0, step=0, tokens=[0, 3])")
+    MINIMAL = (prefill("a", tokens=(0,)), prefill("b", tokens=(0, 3)))
 
     def __init__(self) -> None:
         super().__init__()
@@ -362,10 +388,12 @@ class PrefixCacheKeyedOnFirstToken(PlantedEngine):
 class RefusedPrefillPoisonsSession(PlantedEngine):
     BUG = "a prefill refused for capacity leaves half-written cache rows that corrupt later outputs"
     PROPERTY = "§3 determinism"
+    # As short: an exact resend of step 0 after the refusal answers differently (rule 6).
+    ALSO = ("§2 rule 6",)
     MINIMAL = (
-        "prefill(a, epoch=0, step=0, tokens=[0])",
-        "prefill(a, epoch=0, step=1, tokens=64 of them)  # refused",
-        "decode(a, epoch=0, step=1)",
+        prefill("a", tokens=(0,)),
+        prefill("a", step=1, tokens=KvTokens(), note="refused"),
+        decode("a", step=1),
     )
 
     def __init__(self) -> None:
@@ -379,11 +407,12 @@ class RefusedPrefillPoisonsSession(PlantedEngine):
         return self._serve(request, self.inner.decode(request))
 
     def _serve(self, request: StepRequest, result: StepResult) -> StepResult:
-        if result.status.code is StatusCode.RESOURCE_EXHAUSTED and request.step > 0:
+        refused_prefill = isinstance(request, PrefillRequest) and result.status.code is StatusCode.RESOURCE_EXHAUSTED
+        if refused_prefill and request.step > 0:
             self.poisoned.add(request.session_id)
         elif result.status.ok and request.step == 0:
             self.poisoned.discard(request.session_id)
-        return _shift_token(result) if request.session_id in self.poisoned else result
+        return self._shift(result) if request.session_id in self.poisoned else result
 
     def release(self, session_id: str) -> StructuredStatus:
         self.poisoned.discard(session_id)
@@ -393,8 +422,9 @@ class RefusedPrefillPoisonsSession(PlantedEngine):
 class RequestIdWrapsAt32(PlantedEngine):
     BUG = "a 5-bit request id wraps after 32 calls and from the 32nd on answers go to the wrong slot"
     PROPERTY = "§3 determinism"
-    MINIMAL = (*("any prefill or decode (31 of them)",) * 31, "prefill(...)  # the 32nd call answers wrongly")
-    LATE = True  # needs dozens of steps: shrinking only has to come within one step
+    # One prefill of 32 tokens: the twin fed one token per decode makes the 32nd call and
+    # disagrees with the recompute in one prefill (the engine under test made one call).
+    MINIMAL = (prefill("a", tokens=(0,) * 32),)
 
     def __init__(self) -> None:
         super().__init__()
@@ -408,13 +438,15 @@ class RequestIdWrapsAt32(PlantedEngine):
 
     def _count(self, result: StepResult) -> StepResult:
         self.calls += 1
-        return _shift_token(result) if self.calls >= 32 else result
+        return self._shift(result) if self.calls >= 32 else result
 
 
 class DelayedStepTimesOut(PlantedEngine):
     BUG = "a step delayed by a slow host answers DEADLINE_EXCEEDED instead of its result"
     PROPERTY = "§2 rule 8"
-    MINIMAL = ("fault(delay, value=0.0)", "prefill(a, epoch=0, step=0)")
+    # As short: a delayed malformed request also times out instead of INVALID_ARGUMENT.
+    ALSO = ("§2 rule 2",)
+    MINIMAL = (fault("delay", 0.0), prefill("a"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -437,7 +469,7 @@ class DelayedStepTimesOut(PlantedEngine):
 class RestartKeepsOldEpochCache(PlantedEngine):
     BUG = "a restart at a higher epoch keeps serving from the old epoch's cache (no epoch check on reuse)"
     PROPERTY = "§3 determinism"
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0])", "prefill(a, epoch=1, step=0, tokens=[0])  # epoch bump")
+    MINIMAL = (prefill("a", tokens=(0,)), prefill("a", epoch=1, tokens=(0,), note="epoch bump"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -451,11 +483,11 @@ class RestartKeepsOldEpochCache(PlantedEngine):
             if known is not None and request.epoch > known:
                 self.stale.add(request.session_id)
             self.epochs[request.session_id] = request.epoch
-        return _shift_token(result) if request.session_id in self.stale else result
+        return self._shift(result) if request.session_id in self.stale else result
 
     def decode(self, request: DecodeRequest) -> StepResult:
         result = self.inner.decode(request)
-        return _shift_token(result) if request.session_id in self.stale else result
+        return self._shift(result) if request.session_id in self.stale else result
 
     def release(self, session_id: str) -> StructuredStatus:
         self.epochs.pop(session_id, None)

@@ -25,6 +25,7 @@ from shardkit import (
     StructuredStatus,
 )
 from shardkit._planted import PlantedEngine
+from shardkit._planted.minimal import cancel, decode, prefill, release
 
 #: How far the unbounded allocator goes before giving up: far beyond any test's
 #: --worker-memory, yet survivable by the machine if a limit were not enforced.
@@ -42,7 +43,7 @@ class DyingEngine(PlantedEngine):
 class AbortsOnRetriedPrefill(DyingEngine):
     BUG = "a retried prefill trips a native assertion (abort) instead of answering from the cache"
     PROPERTY = "process killed by SIGABRT"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(a, epoch=0, step=0)  # the retry")
+    MINIMAL = (prefill("a"), prefill("a", note="the retry"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,7 +62,7 @@ class AbortsOnRetriedPrefill(DyingEngine):
 class SegfaultsOnDecodeAfterCancel(DyingEngine):
     BUG = "a decode of a cancelled session reads its freed KV cache (use after free: a segfault)"
     PROPERTY = "process killed by SIGSEGV"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "cancel(a, epoch=0)", "decode(a, epoch=0, step=1)")
+    MINIMAL = (prefill("a"), cancel("a"), decode("a", step=1))
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,9 +87,9 @@ class SegfaultsOnDecodeAfterCancel(DyingEngine):
 class HangsOnSecondDecode(DyingEngine):
     BUG = "the second decode of a session waits forever on a lock the first one never released"
     PROPERTY = "step deadline"
-    # The twin of the oracle feeds a history in two chunks, the second as a decode: two
-    # prefills make it decode twice, a step shorter than decoding twice directly.
-    MINIMAL = ("prefill(a, epoch=0, step=0, tokens=[0, 0])", "prefill(a, epoch=0, step=1, tokens=[0])")
+    # The oracle's twin fed one token per decode decodes the second and third tokens of a
+    # prefill: one prefill of three tokens makes it decode twice.
+    MINIMAL = (prefill("a", tokens=(0, 0, 0)),)
     STEP_TIMEOUT = 1.0
 
     def __init__(self) -> None:
@@ -108,7 +109,7 @@ class HangsOnSecondDecode(DyingEngine):
 class ExitsWhenThirdSessionOpens(DyingEngine):
     BUG = "opening a third live session takes a rarely used path that calls exit(3)"
     PROPERTY = "process exited with code 3"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "prefill(b, epoch=0, step=0)", "prefill(c, epoch=0, step=0)")
+    MINIMAL = (prefill("a"), prefill("b"), prefill("c"))
 
     def prefill(self, request: PrefillRequest) -> StepResult:
         result = self.inner.prefill(request)
@@ -120,7 +121,7 @@ class ExitsWhenThirdSessionOpens(DyingEngine):
 class AllocatesWithoutBoundAfterRelease(DyingEngine):
     BUG = "reopening a released session id allocates a new cache arena on every block, without bound"
     PROPERTY = "worker memory"
-    MINIMAL = ("prefill(a, epoch=0, step=0)", "release(a)", "prefill(a, epoch=0, step=0)")
+    MINIMAL = (prefill("a"), release("a"), prefill("a"))
     WORKER_MEMORY = 512
 
     def __init__(self) -> None:

@@ -15,7 +15,24 @@ from shardkit._core.properties import read_more
 from shardkit._run.result import FuzzResult
 from shardkit._version import __version__
 
-__all__ = ["counts_line", "coverage_table", "failure_lines", "print_summary", "render_failure", "report_document"]
+__all__ = [
+    "LONG_SESSION_DECODES",
+    "counts_line",
+    "coverage_table",
+    "failure_lines",
+    "long_session_share",
+    "print_summary",
+    "render_failure",
+    "report_document",
+    "session_histogram",
+    "session_lines",
+]
+
+#: A session with this many accepted decodes in one epoch counts as long: engines ship bugs
+#: that only a long history reaches (a cache block or position counter that wraps).
+LONG_SESSION_DECODES = 32
+#: The buckets of ``session_histogram``: (label, fewest decodes, most decodes or None).
+SESSION_BUCKETS = (("0", 0, 0), ("1-7", 1, 7), ("8-31", 8, 31), ("32-127", 32, 127), ("128+", 128, None))
 
 
 def coverage_by_operation(result: FuzzResult) -> dict[str, dict[str, int]]:
@@ -37,11 +54,43 @@ def coverage_table(result: FuzzResult) -> str:
     return "\n".join(lines)
 
 
+def session_histogram(result: FuzzResult) -> dict[str, int]:
+    """Examples by the accepted decodes of their longest session epoch, in buckets."""
+    histogram = {}
+    for label, low, high in SESSION_BUCKETS:
+        histogram[label] = sum(
+            count for decodes, count in result.longest_session.items() if low <= decodes and (high is None or decodes <= high)
+        )
+    return histogram
+
+
+def long_session_share(result: FuzzResult) -> float:
+    """The share of examples (0 to 1) with a session of at least ``LONG_SESSION_DECODES`` decodes."""
+    total = sum(result.longest_session.values())
+    long = sum(count for decodes, count in result.longest_session.items() if decodes >= LONG_SESSION_DECODES)
+    return long / total if total else 0.0
+
+
+def session_lines(result: FuzzResult) -> list[str]:
+    """How long the sessions got: a run whose sessions all stay short cannot find the bugs
+    that need a long history, however many examples it ran."""
+    total = sum(result.longest_session.values())
+    if not total:
+        return []
+    cells = "  ".join(f"{label}={count}" for label, count in session_histogram(result).items())
+    long = round(long_session_share(result) * total)
+    return [
+        "longest session per example (accepted decodes in one epoch → examples):",
+        f"  {cells}",
+        f"  {long} of {total} examples ({long_session_share(result):.0%}) reached {LONG_SESSION_DECODES}+ decodes in one session",
+    ]
+
+
 def failure_lines(property_label: str, records: Sequence[StepRecord], message: str) -> list[str]:
     """The failing sequence as fuzz and replay print it: every step but the last with what
     the engine answered, the last one's expected and observed, and where the property is
     explained."""
-    lines = [f"FAILURE ({property_label}) in {len(records)} steps:"]
+    lines = [f"FAILURE ({property_label}) in {_steps(len(records))}:"]
     lines += [f"  step {r.index}: {r.action.describe()}  → {r.observed}" for r in records[:-1]]
     lines += [f"  {line}" for line in message.splitlines()]
     where = read_more(property_label)
@@ -60,12 +109,13 @@ def render_failure(result: FuzzResult) -> str:
     failure = result.failure
     assert failure is not None
     lines = failure_lines(failure.violation.property, failure.records, failure.violation.message)
+    lines += [f"  note: {note}" for note in failure.notes]
     if result.interrupted:
         lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
     elif result.minimized is not None and result.hypothesis_failure is not None:
         before = len(result.hypothesis_failure.records)
         state = "1-minimal" if result.minimized.one_minimal else "not proven 1-minimal (replay budget ran out)"
-        lines.append(f"(Hypothesis shrank it to {before} steps, replay to {len(failure.records)}; {state})")
+        lines.append(f"(Hypothesis shrank it to {_steps(before)}, replay to {len(failure.records)}; {state})")
     lines.append("reproduce:")
     # Quoted for the shell, so that they run as printed from a folder whose name has a space.
     blocker = _needs_python(result.trace_path) if result.trace_path is not None else None
@@ -83,6 +133,10 @@ def render_failure(result: FuzzResult) -> str:
     if result.blob is not None:
         lines.append(f"  hypothesis blob: {result.blob}")
     return "\n".join(lines)
+
+
+def _steps(count: int) -> str:
+    return "1 step" if count == 1 else f"{count} steps"
 
 
 def counts_line(result: FuzzResult) -> str:
@@ -123,6 +177,8 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
     print(counts_line(result), file=out)
     print("coverage (operation → outcome counts):", file=out)
     print(coverage_table(result), file=out)
+    for line in session_lines(result):
+        print(line, file=out)
     for caveat, examples in sorted(result.caveats.items()):
         print(f"not checked in {examples} of {result.examples} examples: {caveat}", file=out)
     if result.failure is None:
@@ -157,6 +213,7 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
                     for r in records
                     if r.action.op == "fault"
                 ],
+                "notes": list(result.failure.notes),
             }
         )
     return {
@@ -167,5 +224,10 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
         "steps": result.steps,
         "elapsed_s": round(result.elapsed_s, 3),
         "coverage": coverage,
+        "not_checked": dict(sorted(result.caveats.items())),
+        "longest_session": {
+            "decodes_histogram": session_histogram(result),
+            f"share_with_{LONG_SESSION_DECODES}_decodes": round(long_session_share(result), 4),
+        },
         "failures": failures,
     }

@@ -54,6 +54,9 @@ class FuzzResult:
     requested_examples: int | None = None
     #: Why a trace or regression test could not be written (the failure is still reported).
     write_error: str | None = None
+    #: The same examples as ``coverage``, by the accepted decodes of their longest session
+    #: epoch: {decodes: examples} (``shardkit._run.report.session_histogram`` buckets it).
+    longest_session: Counter[int] = field(default_factory=Counter)
 
     @property
     def blob(self) -> str | None:

@@ -105,6 +105,7 @@ def run_machine(
     before_shrinking = (0, 0)
     caveats_before_shrinking: Counter[str] = Counter()
     coverage_before_shrinking: Counter[tuple[str, str]] = Counter()
+    sessions_before_shrinking: Counter[int] = Counter()
 
     def on_failure(failure: FailureReport) -> None:
         nonlocal before_shrinking
@@ -113,6 +114,7 @@ def run_machine(
             before_shrinking = (stats.examples, stats.steps)
             caveats_before_shrinking.update(stats.caveats)
             coverage_before_shrinking.update(stats.coverage)
+            sessions_before_shrinking.update(stats.longest_session)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
             stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
         artefacts.offer(failure)
@@ -175,6 +177,7 @@ def run_machine(
         shrink_examples=stats.examples - examples,
         shrink_steps=stats.steps - steps,
         requested_examples=run_settings.max_examples,
+        longest_session=sessions_before_shrinking if first_failure else stats.longest_session,
     )
     if failure is not None:
         written = artefacts.final(failure)

@@ -1,0 +1,174 @@
+"""The twin oracle computes each history by independent paths and never takes one twin's word.
+
+A twin fed the way the engine under test was fed shares that path's bugs: an engine whose
+decode goes wrong after a few decodes of a session goes wrong in a twin that also decodes.
+The oracle therefore answers each history three ways (one prefill on a fresh engine, one
+token per decode, random chunks); when those disagree, the report says so and does not print
+one of them as the expected answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import pytest
+
+from shardkit import DelegatingEngine, FakeShardEngine
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.steps import Action, step_action
+from shardkit._core.twins import chunk_pieces
+from shardkit._transport.resolve import resolve_target
+from shardkit.contract import DecodeRequest, LoadRequest, PrefillRequest, StepResult, TokenOutput
+
+FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
+HEAD = LoadRequest("shardkit-fuzz", 0, 1, 4)
+CORRUPT_FROM_DECODE = 5
+WINDOW = 4
+
+
+def _wrong(engine: DelegatingEngine[FakeShardEngine], result: StepResult) -> StepResult:
+    """Another valid token: the next one in the engine's own vocabulary."""
+    if not isinstance(result.output, TokenOutput):
+        return result
+    vocab = engine.capabilities().vocab_size
+    return StepResult(result.status, result.cache, TokenOutput((result.output.token_id + 1) % vocab))
+
+
+class CorruptsLateDecodes(DelegatingEngine[FakeShardEngine]):
+    """From its CORRUPT_FROM_DECODE-th decode of a session on, the decode path answers wrong."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+        self.decodes: dict[tuple[str, int], int] = {}
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        if not result.status.ok:
+            return result
+        key = (request.session_id, request.epoch)
+        self.decodes[key] = self.decodes.get(key, 0) + 1
+        return _wrong(self, result) if self.decodes[key] >= CORRUPT_FROM_DECODE else result
+
+
+class DecodeSeesAWindow(DelegatingEngine[FakeShardEngine]):
+    """A decode fast path that answers from the last WINDOW tokens alone (prefill is exact)."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+        self.histories: dict[str, list[int]] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        if result.status.ok and request.token_ids is not None:
+            kept = [] if request.step == 0 else self.histories.get(request.session_id, [])
+            self.histories[request.session_id] = kept + list(request.token_ids)
+        return result
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = self.inner.decode(request)
+        if not (result.status.ok and request.token_ids is not None):
+            return result
+        history = self.histories.setdefault(request.session_id, [])
+        history += request.token_ids
+        if len(history) <= WINDOW or not isinstance(result.output, TokenOutput):
+            return result  # a full range's fast path; a head stage of the twins' pipeline is exact
+        windowed = FakeShardEngine()
+        windowed.load(FULL)
+        recent = windowed.prefill(PrefillRequest("window", 0, 0, tuple(history[-WINDOW:])))
+        return StepResult(result.status, result.cache, recent.output)
+
+
+def _driver(engine: Any, load: LoadRequest = FULL) -> Driver:
+    return Driver(resolve_target(engine), load)
+
+
+def _one_prefill_then_decodes(driver: Driver, decodes: int) -> StepFailed | None:
+    tokens = [7, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    try:
+        driver.execute(step_action("prefill", "a", 0, 0, (3,)))
+        for step in range(1, decodes + 1):
+            driver.execute(step_action("decode", "a", 0, step, (tokens[step % len(tokens)],)))
+    except StepFailed as failure:
+        return failure
+    return None
+
+
+def test_a_decode_path_that_goes_wrong_late_is_caught_although_a_decoding_twin_agrees_with_it() -> None:
+    failure = _one_prefill_then_decodes(_driver(CorruptsLateDecodes), decodes=CORRUPT_FROM_DECODE + 2)
+    assert failure is not None, "the late decode corruption went unnoticed"
+    violation = failure.violation
+    assert violation.property == "§3 determinism"
+    assert f"step {CORRUPT_FROM_DECODE + 1}: decode" in violation.message, violation.message
+    assert "expected: one answer after history" in violation.message, violation.message
+    assert "the engine's own paths disagree" in violation.message
+    # The decoding twin took the engine's path and agrees with it; the recompute does not.
+    assert "a recompute in one prefill gives token" in violation.message, violation.message
+    assert "one token per decode gives token" in violation.message
+
+
+def test_a_windowed_decode_is_caught_and_its_correct_prefill_is_never_called_wrong() -> None:
+    failure = _one_prefill_then_decodes(_driver(DecodeSeesAWindow), decodes=WINDOW + 3)
+    assert failure is not None
+    message = failure.violation.message
+    assert failure.violation.property == "§3 determinism"
+    assert re.search(r"step \d+: decode", message), message
+    # The twins disagree among themselves (the decoding one shares the bug): no twin's token is "expected".
+    assert "expected: one answer after history" in message, message
+    assert "one token per decode gives token" in message
+
+
+@pytest.mark.parametrize("engine", [FakeShardEngine], ids=["fake"])
+@pytest.mark.parametrize("load", [FULL, HEAD], ids=["full", "head"])
+def test_a_correct_engine_passes_a_long_session_on_every_path(engine: Any, load: LoadRequest) -> None:
+    driver = _driver(engine, load)
+    capacity = driver.caps.max_kv_tokens
+    assert _one_prefill_then_decodes(driver, decodes=capacity - 2) is None
+    assert [record.outcome for record in driver.records] == ["OK"] * (capacity - 1)
+    longest = max(driver.memo.references, key=len)
+    assert len(longest) == capacity - 1
+    assert {"recompute", "stepwise"} <= set(driver.memo.get(longest))
+    # The chunked twin answers where its chunks end, many times over a long session.
+    answered_by_all = [history for history, paths in driver.memo.references.items() if len(paths) == 3]
+    assert len(answered_by_all) > capacity // 8
+
+
+def test_when_the_paths_agree_the_message_names_them_all() -> None:
+    class ShiftsEveryPrefill(DelegatingEngine[FakeShardEngine]):
+        def __init__(self) -> None:
+            super().__init__(FakeShardEngine())
+
+        def prefill(self, request: PrefillRequest) -> StepResult:
+            # Only the engine under test's second session goes wrong; its twins never do.
+            result = self.inner.prefill(request)
+            return _wrong(self, result) if request.session_id == "b" else result
+
+    driver = _driver(ShiftsEveryPrefill)
+    driver.execute(step_action("prefill", "a", 0, 0, (3, 4)))
+    with pytest.raises(StepFailed) as failed:
+        driver.execute(step_action("prefill", "b", 0, 0, (3, 4)))
+    message = failed.value.violation.message
+    assert "after history [3, 4], as fresh twins (" in message, message
+    assert "gave by a recompute in one prefill and one token per decode" in message
+
+
+def test_a_history_seen_again_asks_no_twin() -> None:
+    driver = _driver(FakeShardEngine)
+    driver.execute(step_action("prefill", "a", 0, 0, (3, 4, 5)))
+    memo_size = len(driver.memo.references)
+    driver.execute(Action("release", {"session": "a"}))
+    driver.execute(step_action("prefill", "a", 0, 0, (3, 4, 5)))
+    assert len(driver.memo.references) == memo_size
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 7), (0, 64), (5, 300), (17, 30)])
+def test_the_chunked_path_covers_the_history_in_order_with_short_pieces(start: int, end: int) -> None:
+    pieces = list(chunk_pieces(start, end))
+    assert pieces[0][0] == start
+    assert end - 7 < pieces[-1][1] <= end
+    assert all(left[1] == right[0] for left, right in itertools.pairwise(pieces))
+    assert all(1 <= piece_end - piece_start <= 7 for piece_start, piece_end in pieces)
+    assert pieces == list(chunk_pieces(start, end)), "the same history is always cut alike"
+    if end - start > 20:
+        assert len({piece_end - piece_start for piece_start, piece_end in pieces}) > 2
