@@ -47,7 +47,7 @@ the source, fork it, one step on one of the two, then either
 - a fork of the session that did not step: it replays the other one's step too, and its
   copy holds one KV token too many ("§2 metrics").
 
-The test fuzzes it at five seeds and checks that each run reports one of these.
+The test fuzzes it at three seeds and checks that each run reports one of these.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ class ForkSharesRecord(ForkEngine):
 #: The shortest sequences that show the bug (see the module docstring): open the source, fork
 #: it, one step on one of the two, then one step on the other or a fork of the other.
 MINIMAL_STEPS = 4
-SEEDS = (1, 2, 3, 4, 5)
+SEEDS = (1, 2, 3)
 #: Enough for every seed to meet the bug: a run stops at its first failing example (the
 #: seeds above meet it within their first 200).
 EXAMPLES = 1000

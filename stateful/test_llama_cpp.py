@@ -22,8 +22,9 @@ except ImportError:
         raise
     pytest.skip("llama.cpp is not installed: pip install 'shardkit[llama]'", allow_module_level=True)
 
-# 100 examples, not the profile's 200: each long history is answered by three twin paths, and
-# CI has 30 minutes in all (tests/test_control.py fuzzes llama.cpp over 10 seeds as well).
+# 100 examples, not the profile's 200: sessions grow to 256 tokens and each new history is
+# recomputed in one prefill (the differential suite's by the numpy engine: 49 s at 100), and CI
+# has 30 minutes in all (tests/test_control.py fuzzes llama.cpp over 10 seeds as well).
 CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None, max_examples=100)
 TARGET = "shardkit.engines.llama_cpp:LlamaCppShardEngine"
 

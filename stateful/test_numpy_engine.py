@@ -7,10 +7,10 @@ from hypothesis import settings
 
 from shardkit import NumpyShardEngine, PipelineEngine, machine_for
 
-# 40 examples, not the profile's 200: every history of these 256-token sessions is answered by
-# three twin paths (one of them a recompute in one prefill), about 35 numpy steps a second, and
-# five suites at 200 examples took most of CI's 30 minutes; tests/test_control.py fuzzes the
-# same engine over 10 seeds.
+# 40 examples, not the profile's 200: sessions grow to the engine's 256 tokens and every new
+# history is recomputed in one prefill, so a numpy example is long (the five suites took 34 to
+# 54 s each at 40 examples, with one BLAS thread); tests/test_control.py fuzzes the same
+# engine over 10 seeds.
 CI_SETTINGS = settings(settings.get_profile("shardkit-ci"), database=None, max_examples=40)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,13 @@ from tests.planted import PLANTED, PlantedEngine
 pytest_plugins = ["pytester"]
 
 PLANTED_SEED = 3
+
+# One BLAS thread per process. This runs in pytest's main process before pytest-xdist starts
+# its workers, which inherit it (as do the engine workers they start). OpenBLAS otherwise
+# starts a thread per core that spins while it waits: a numpy suite took the same time either
+# way but burnt 1.8 times the CPU, and so slowed the other worker on a two-core machine.
+for _variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
 
 
 class PlantedRuns(Mapping[type[PlantedEngine], FuzzResult]):
@@ -40,6 +49,28 @@ class PlantedRuns(Mapping[type[PlantedEngine], FuzzResult]):
 
     def __len__(self) -> int:
         return len(PLANTED)
+
+
+#: The test files that read the session's ``planted_runs``. Fuzzing the planted engines takes
+#: minutes, so under ``pytest -n N --dist loadfile`` these files go to one worker, which fuzzes
+#: each engine once (given to two workers, both fuzzed all of them).
+PLANTED_RUN_FILES = frozenset({"tests/test_machine.py", "tests/test_planted_minimal.py", "tests/test_reproduction.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with the files of ``PLANTED_RUN_FILES`` as one unit; any other
+    distribution is left to pytest-xdist."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PlantedRunsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "planted runs" if scope in PLANTED_RUN_FILES else scope
+
+    return PlantedRunsTogether(config, log)
 
 
 @pytest.fixture(scope="session")

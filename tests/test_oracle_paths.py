@@ -4,7 +4,8 @@ A twin fed the way the engine under test was fed shares that path's bugs: an eng
 decode goes wrong after a few decodes of a session goes wrong in a twin that also decodes.
 The oracle therefore answers each history three ways (one prefill on a fresh engine, one
 token per decode, random chunks); when those disagree, the report says so and does not print
-one of them as the expected answer.
+one of them as the expected answer. Beyond EAGER_TOKENS the last two answer only where the
+engine under test and the recompute disagree.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import pytest
 
 from shardkit import DelegatingEngine, FakeShardEngine
 from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.model import input_length
 from shardkit._core.steps import Action, step_action
-from shardkit._core.twins import chunk_pieces
+from shardkit._core.twins import EAGER_TOKENS, chunk_pieces
 from shardkit._transport.resolve import resolve_target
-from shardkit.contract import DecodeRequest, LoadRequest, PrefillRequest, StepResult, TokenOutput
+from shardkit.contract import DecodeRequest, LoadRequest, LoadResult, PrefillRequest, StepResult, TokenOutput
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 HEAD = LoadRequest("shardkit-fuzz", 0, 1, 4)
@@ -37,7 +39,9 @@ def _wrong(engine: DelegatingEngine[FakeShardEngine], result: StepResult) -> Ste
 
 
 class CorruptsLateDecodes(DelegatingEngine[FakeShardEngine]):
-    """From its CORRUPT_FROM_DECODE-th decode of a session on, the decode path answers wrong."""
+    """From its FROM-th decode of a session on, the decode path answers wrong."""
+
+    FROM = CORRUPT_FROM_DECODE
 
     def __init__(self) -> None:
         super().__init__(FakeShardEngine())
@@ -49,7 +53,53 @@ class CorruptsLateDecodes(DelegatingEngine[FakeShardEngine]):
             return result
         key = (request.session_id, request.epoch)
         self.decodes[key] = self.decodes.get(key, 0) + 1
-        return _wrong(self, result) if self.decodes[key] >= CORRUPT_FROM_DECODE else result
+        return _wrong(self, result) if self.decodes[key] >= self.FROM else result
+
+
+class CorruptsDecodesBeyondTheEagerTwins(CorruptsLateDecodes):
+    FROM = EAGER_TOKENS + 5
+
+
+class LongPrefillsGoWrong(DelegatingEngine[FakeShardEngine]):
+    """A prefill of more than EAGER_TOKENS tokens answers wrong; decodes are exact."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        long = request.token_ids is not None and len(request.token_ids) > EAGER_TOKENS
+        return _wrong(self, result) if result.status.ok and long else result
+
+
+class TailStageGoesWrongLate(DelegatingEngine[FakeShardEngine]):
+    """Loaded as the tail half of a split (a pipeline's second stage), it answers wrong once a
+    session holds more than EAGER_TOKENS + 4 tokens; the whole range is exact."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+        self.tail_stage = False
+        self.tokens: dict[str, int] = {}
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        self.tail_stage = request.shard_start > 0
+        return self.inner.load(request)
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._count(
+            request.session_id,
+            request.step,
+            input_length(request),
+            self.inner.prefill(request),
+        )
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        return self._count(request.session_id, request.step, 1, self.inner.decode(request))
+
+    def _count(self, session: str, step: int, count: int, result: StepResult) -> StepResult:
+        self.tokens[session] = (0 if step == 0 else self.tokens.get(session, 0)) + count
+        late = self.tail_stage and self.tokens[session] > EAGER_TOKENS + 4
+        return _wrong(self, result) if result.status.ok and late else result
 
 
 class DecodeSeesAWindow(DelegatingEngine[FakeShardEngine]):
@@ -119,19 +169,54 @@ def test_a_windowed_decode_is_caught_and_its_correct_prefill_is_never_called_wro
     assert "one token per decode gives token" in message
 
 
+def test_a_decode_path_that_goes_wrong_beyond_the_eager_twins_is_arbitrated_by_every_path() -> None:
+    driver = _driver(CorruptsDecodesBeyondTheEagerTwins)
+    failure = _one_prefill_then_decodes(driver, decodes=EAGER_TOKENS + 8)
+    assert failure is not None, "the late decode corruption went unnoticed"
+    message = failure.violation.message
+    assert f"step {EAGER_TOKENS + 6}: decode" in message, message
+    assert "the engine's own paths disagree: a recompute in one prefill gives token" in message, message
+    assert "one token per decode gives token" in message
+    assert "a recompute in one prefill and a random chunking agree on token" in message, message
+
+
+def test_a_wrong_recompute_is_never_printed_as_expected() -> None:
+    driver = _driver(LongPrefillsGoWrong)
+    failure = _one_prefill_then_decodes(driver, decodes=EAGER_TOKENS + 2)
+    assert failure is not None, "a long prefill that answers wrong went unnoticed"
+    message = failure.violation.message
+    assert "expected: one answer after history" in message, message
+    assert "a recompute in one prefill gives token" in message, message
+    assert "the engine under test gave token" in message
+
+
+def test_composition_is_checked_beyond_the_eager_twins() -> None:
+    driver = _driver(TailStageGoesWrongLate)
+    failure = _one_prefill_then_decodes(driver, decodes=EAGER_TOKENS + 16)
+    assert failure is not None, "a pipeline stage that goes wrong late went unnoticed"
+    assert failure.violation.property == "§3 composition", failure.violation
+    assert "by a recompute in one prefill, one token per decode, a random chunking)" in failure.violation.message, (
+        failure.violation.message
+    )
+
+
 @pytest.mark.parametrize("engine", [FakeShardEngine], ids=["fake"])
 @pytest.mark.parametrize("load", [FULL, HEAD], ids=["full", "head"])
-def test_a_correct_engine_passes_a_long_session_on_every_path(engine: Any, load: LoadRequest) -> None:
+def test_a_correct_engine_passes_a_long_session(engine: Any, load: LoadRequest) -> None:
     driver = _driver(engine, load)
     capacity = driver.caps.max_kv_tokens
+    assert capacity > EAGER_TOKENS + 8, "the session must outgrow the twins that follow it"
     assert _one_prefill_then_decodes(driver, decodes=capacity - 2) is None
     assert [record.outcome for record in driver.records] == ["OK"] * (capacity - 1)
-    longest = max(driver.memo.references, key=len)
-    assert len(longest) == capacity - 1
-    assert {"recompute", "stepwise"} <= set(driver.memo.get(longest))
-    # The chunked twin answers where its chunks end, many times over a long session.
-    answered_by_all = [history for history, paths in driver.memo.references.items() if len(paths) == 3]
-    assert len(answered_by_all) > capacity // 8
+    lengths = {
+        path: sorted(len(history) for history, paths in driver.memo.references.items() if path in paths)
+        for path in ("recompute", "stepwise", "chunked")
+    }
+    # The recompute answers every history; the twins that follow the session stop at EAGER_TOKENS.
+    assert lengths["recompute"] == list(range(1, capacity))
+    assert lengths["stepwise"] == list(range(1, EAGER_TOKENS + 1))
+    assert len(lengths["chunked"]) > EAGER_TOKENS // 8
+    assert max(lengths["chunked"]) <= EAGER_TOKENS
 
 
 def test_when_the_paths_agree_the_message_names_them_all() -> None:
@@ -151,6 +236,25 @@ def test_when_the_paths_agree_the_message_names_them_all() -> None:
     message = failed.value.violation.message
     assert "after history [3, 4], as fresh twins (" in message, message
     assert "gave by a recompute in one prefill and one token per decode" in message
+
+
+def test_beyond_the_eager_twins_an_agreed_answer_is_named_by_every_path() -> None:
+    class ShiftsLongPrefillsOfB(DelegatingEngine[FakeShardEngine]):
+        def __init__(self) -> None:
+            super().__init__(FakeShardEngine())
+
+        def prefill(self, request: PrefillRequest) -> StepResult:
+            result = self.inner.prefill(request)
+            return _wrong(self, result) if request.session_id == "b" else result
+
+    history = tuple(position % 7 for position in range(EAGER_TOKENS + 3))
+    driver = _driver(ShiftsLongPrefillsOfB)
+    driver.execute(step_action("prefill", "a", 0, 0, history))
+    driver.execute(Action("release", {"session": "a"}))  # the KV budget holds one such history
+    with pytest.raises(StepFailed) as failed:
+        driver.execute(step_action("prefill", "b", 0, 0, history))
+    message = failed.value.violation.message
+    assert "gave by a recompute in one prefill, one token per decode and a random chunking" in message, message
 
 
 def test_a_history_seen_again_asks_no_twin() -> None:

@@ -38,7 +38,7 @@ from shardkit._core.outcomes import (
 from shardkit._core.output_checks import SessionLog
 from shardkit._core.steps import Action, build_request, step_note
 from shardkit._core.targets import ResolvedTarget, describe_exception, passes_through
-from shardkit._core.twins import Recomputer, TwinSession
+from shardkit._core.twins import OneShotTwin, TwinSession
 from shardkit.contract import (
     EngineCapabilities,
     EngineError,
@@ -146,7 +146,7 @@ class Driver(FaultSteps):
         self.model.load(caps)
         self.logs: dict[str, SessionLog] = {}
         self.twins: dict[str, TwinSession] = {}
-        self.recomputer: Recomputer | None = None
+        self.one_shot: OneShotTwin | None = None
         self._counted_calls = 0
         self._crash_at: int | None = None
         self._malformed_armed = False

@@ -9,15 +9,16 @@ twin's own failure is a finding and when it is the reference engine's fault.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
 from shardkit._core.steps import Action
 from shardkit._core.targets import ResolvedTarget, passes_through, short_name
-from shardkit._core.twins import ORACLE_PATHS, OracleFailure, Recomputer, TwinSession
+from shardkit._core.twins import EAGER_TOKENS, ORACLE_PATHS, OneShotTwin, OracleFailure, TwinSession
 from shardkit.contract import EngineCapabilities, EngineError, StepResult
 from shardkit.errors import InvalidTarget
 
@@ -62,7 +63,7 @@ class OutputChecks(StepContext):
     model: ReferenceModel
     memo: HistoryMemo
     twins: dict[str, TwinSession]
-    recomputer: Recomputer | None
+    one_shot: OneShotTwin | None
     split_twins: bool
     use_twins: bool
     differential: bool
@@ -120,8 +121,9 @@ class OutputChecks(StepContext):
         assert result.output is not None
         payloads = payloads_of(result.output, count)
         ends = range(len(history) - count + 1, len(history) + 1) if len(payloads) == count else [len(history)]
+        followed: list[TwinSession] = []
         if self.use_twins:
-            self._consult_twins(request.session_id, session, history)
+            self._asking_twins(lambda: followed.extend(self._consult_twins(request.session_id, session, history)))
         unreferenced: list[tuple[int, ...]] = []
         for end, payload in zip(ends, payloads, strict=True):
             references = self.memo.get(history[:end])
@@ -129,8 +131,14 @@ class OutputChecks(StepContext):
                 unreferenced.append(history[:end])
                 continue
             failure = self._judge(history[:end], payload, references, strict=strict)
+            if failure is not None and "stepwise" not in references:
+                # Only the recompute answered this long history: never blame on one path's word.
+                failure = self._arbitrate(history[:end], payload, strict=strict)
             if failure is not None:
                 return [failure], unreferenced
+        for twin in followed:
+            # After the engine under test is judged: a wrong recompute is blamed there, with every path.
+            self._asking_twins(partial(twin.compose, history, self.memo, self._arbitrate_history))
         return [], unreferenced
 
     def _judge(
@@ -184,27 +192,46 @@ class OutputChecks(StepContext):
     def _twin_layers(self) -> str:
         return f"{self.load_request.shard_start}..{self.load_request.shard_end}"
 
-    def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> None:
-        """Have every path of the twin oracle answer for ``history`` (and its prefixes), unless
-        the memo already holds their answers."""
+    def _arbitrate(self, history: tuple[int, ...], payload: Payload, *, strict: bool) -> Fail | None:
+        """Judge ``payload`` again once the ``stepwise`` and ``chunked`` paths have answered too."""
+        self._asking_twins(lambda: self._arbitrate_history(history))
+        return self._judge(history, payload, self.memo.get(history), strict=strict)
+
+    def _arbitrate_history(self, history: tuple[int, ...]) -> None:
+        self._one_shot().arbitrate(history, self.memo)
+
+    def _one_shot(self) -> OneShotTwin:
+        if self.one_shot is None:
+            self.one_shot = OneShotTwin(self.reference, self.load_request)
+        return self.one_shot
+
+    def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> list[TwinSession]:
+        """Have the recompute answer for ``history``, and the twins that follow the session
+        (``stepwise`` and ``chunked`` within ``EAGER_TOKENS``) catch up with it, unless the memo
+        already holds their answers: the twins whose composition pipeline is still to be fed."""
         known = self.memo.get(history)
-        if "stepwise" in known and "recompute" in known:
-            # The chunked twin answers only where a chunk ends: it is not waited for.
-            return
+        # Seen before: every twin that follows sessions has answered it already. (The chunked
+        # twin answers only where a chunk ends: it is not waited for.)
+        seen = "stepwise" in known or (len(history) > EAGER_TOKENS and "recompute" in known)
+        if "recompute" not in known:
+            self._one_shot().recompute(history, self.memo)
+        if seen:
+            return []
+        twin = self.twins.get(session_id)
+        if twin is None or not twin.continues(history, session.epoch):
+            twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
+            self.twins[session_id] = twin
+            if twin.pipeline_refused is not None:
+                self.split_twins = False
+                self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
+        twin.advance(history, self.memo)
+        return [twin]
+
+    def _asking_twins(self, ask: Callable[[], None]) -> None:
+        """Run ``ask``; what a twin does wrong is the engine's failure, or with a reference
+        engine the reference's."""
         try:
-            twin = self.twins.get(session_id)
-            if "stepwise" not in known:
-                if twin is None or not twin.continues(history, session.epoch):
-                    twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
-                    self.twins[session_id] = twin
-                    if twin.pipeline_refused is not None:
-                        self.split_twins = False
-                        self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
-                twin.advance(history, self.memo)
-            if "recompute" not in known:
-                if self.recomputer is None:
-                    self.recomputer = Recomputer(self.reference, self.load_request)
-                self.recomputer.answer(history, self.memo)
+            ask()
         except OracleFailure as failure:
             if self.differential:
                 raise self._broken_reference(str(failure)) from None

@@ -5,28 +5,38 @@ A memo of outputs only catches a wrong output when the same history comes round 
 Twins catch it the first time: fresh engines from the same target, loaded the same way, fed
 that session's tokens alone under another session id and epoch. One twin that takes the
 same path as the engine under test would share its bugs (a decode fast path that goes wrong
-after 20 decodes goes wrong in the twin too), so each history is computed three ways:
+after 20 decodes goes wrong in the twin too), so a history can be computed three ways:
 
 - ``recompute``: the whole history in one prefill, on an engine loaded for that alone (the
-  canonical recompute that KV-cache bugs break);
+  canonical recompute that KV-cache bugs break), for every history the engine under test
+  answers for;
 - ``stepwise``: one token per call, the first as a prefill and every other as a decode;
 - ``chunked``: pseudo-random chunks (1 to 7 tokens) whose cuts depend on the position alone,
   never on how the engine under test was fed: a history that grows one decode at a time is
   still fed to this twin in chunks, which therefore answers only where a chunk ends.
 
+``stepwise`` and ``chunked`` follow each session up to ``EAGER_TOKENS`` tokens, so a short
+prefill already exercises the engine's decode and chunking paths. Beyond that, feeding them
+every token cost more than the engine under test itself (one call per token of every long
+prefill), so they answer a longer history only when the engine under test and the recompute
+disagree on it (``OneShotTwin.arbitrate``): no answer is then printed as expected unless the
+paths agree. What that gives up: on a long history, a bug of the decode or chunking path
+that the engine under test did not take itself is not seen.
+
 Where the layer range can be split, a two-stage pipeline of sub-range engines is fed the
-same chunks as ``chunked`` and must answer alike (composition). Twins write the memo; the
-engine under test is only compared to it (``shardkit._core.output_checks``).
+``chunked`` path's pieces and must answer like the single engine (composition). Twins write
+the memo; the engine under test is only compared to it (``shardkit._core.output_checks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import StepRequest
+from shardkit._core.outcomes import show
 from shardkit._core.steps import Action, build_request, step_action
 from shardkit._core.targets import short_name
 from shardkit.contract import (
@@ -40,7 +50,15 @@ from shardkit.contract import (
     StructuredStatus,
 )
 
-__all__ = ["ORACLE_PATHS", "OracleFailure", "Recomputer", "TwinSession", "chunk_pieces", "split_ranges"]
+__all__ = [
+    "EAGER_TOKENS",
+    "ORACLE_PATHS",
+    "OneShotTwin",
+    "OracleFailure",
+    "TwinSession",
+    "chunk_pieces",
+    "split_ranges",
+]
 
 TWIN_SESSION = "twin-oracle"
 
@@ -52,6 +70,10 @@ ORACLE_PATHS = MappingProxyType(
         "chunked": "a random chunking",
     }
 )
+
+#: How far the ``stepwise`` and ``chunked`` twins follow every session: a cost bound of the
+#: oracle (their calls per session), not a size of any engine.
+EAGER_TOKENS = 32
 
 #: Chunk lengths of the ``chunked`` path: short, so a history is cut in several places.
 _LONGEST_CHUNK = 7
@@ -119,6 +141,7 @@ class _Feed:
     """One twin fed a history piece by piece, as one session at epoch 0."""
 
     stages: list[_Stage]
+    session: str = TWIN_SESSION
     steps: int = 0
 
     def send(self, history: tuple[int, ...], start: int, end: int) -> tuple[range | list[int], list[Payload]]:
@@ -126,16 +149,24 @@ class _Feed:
         lengths they speak for."""
         piece = history[start:end]
         op = "decode" if start > 0 and len(piece) == 1 else "prefill"
-        action = step_action(op, TWIN_SESSION, 0, self.steps, piece)
+        action = step_action(op, self.session, 0, self.steps, piece)
         payloads = _feed(self.stages, action)
         self.steps += 1
         ends = range(start + 1, end + 1) if len(payloads) == len(piece) else [end]
         return ends, payloads
 
+    def release(self) -> None:
+        for stage in self.stages:
+            released = stage.engine.release(self.session)
+            if not isinstance(released, StructuredStatus) or not released.ok:
+                message = f"a fresh twin ({stage.label}) answered release({self.session!r}) with {released!r}, not OK"
+                raise OracleFailure("§3 twin oracle", message)
+
 
 @dataclass
 class TwinSession:
-    """The twins answering for one session epoch of the engine under test."""
+    """The twins following one session epoch of the engine under test: ``stepwise`` and
+    ``chunked`` up to ``EAGER_TOKENS`` tokens, the composition pipeline all the way."""
 
     epoch: int
     build: Callable[[], ShardEngine]
@@ -145,8 +176,9 @@ class TwinSession:
     pipeline: _Feed | None
     label: str
     fed: tuple[int, ...] = field(default_factory=tuple)
-    #: The end of the last chunk fed to the ``chunked`` twin (and the pipeline).
+    #: The end of the last chunk fed to the ``chunked`` twin, and to the pipeline.
     chunked_to: int = 0
+    piped_to: int = 0
     #: Why composition is not checked, when the engine cannot load the sub-ranges.
     pipeline_refused: str | None = None
 
@@ -172,58 +204,99 @@ class TwinSession:
 
     def advance(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
         """Feed the ``stepwise`` twin the part of ``history`` it has not seen, and the
-        ``chunked`` twin (and the pipeline) each chunk now complete, remembering what each
-        answers for each prefix."""
+        ``chunked`` twin each chunk now complete, both up to ``EAGER_TOKENS``."""
         assert self.continues(history, self.epoch), "a twin only ever moves forward"
-        for position in range(len(self.fed), len(history)):
+        eager_end = min(len(history), EAGER_TOKENS)
+        for position in range(len(self.fed), eager_end):
             ends, payloads = self.stepwise.send(history, position, position + 1)
             _remember(memo, history, "stepwise", ends, payloads)
         self.fed = history
-        for piece_start, piece_end in chunk_pieces(self.chunked_to, len(history)):
+        for piece_start, piece_end in chunk_pieces(self.chunked_to, eager_end):
             ends, payloads = self.chunked.send(history, piece_start, piece_end)
-            if self.pipeline is not None:
-                self._check_composition(history, ends, payloads, self.pipeline.send(history, piece_start, piece_end)[1])
             _remember(memo, history, "chunked", ends, payloads)
             self.chunked_to = piece_end
 
-    def _check_composition(
-        self, history: tuple[int, ...], ends: range | list[int], single: list[Payload], piped: list[Payload]
+    def compose(
+        self, history: tuple[int, ...], memo: HistoryMemo, arbitrate: Callable[[tuple[int, ...]], None]
     ) -> None:
+        """Feed the pipeline each chunk of ``history`` now complete, and check each answer
+        against the single engine's: the ``chunked`` twin's, fed the same pieces, or beyond
+        ``EAGER_TOKENS`` the recompute's, where it answered. A difference from the recompute
+        alone is ``arbitrate``d first: the single engine's paths may disagree among themselves."""
+        if self.pipeline is None:
+            return
+        tolerance = self.chunked.stages[0].caps.tolerance
+        for piece_start, piece_end in chunk_pieces(self.piped_to, len(history)):
+            ends, piped = self.pipeline.send(history, piece_start, piece_end)
+            self.piped_to = piece_end
+            for position, other in zip(ends, piped, strict=True):
+                prefix = history[:position]
+                known = memo.get(prefix)
+                path = next((path for path in ("chunked", "recompute") if path in known), None)
+                if path is None or payload_difference(known[path], other, tolerance) is None:
+                    continue
+                if "stepwise" not in known:
+                    arbitrate(prefix)
+                    known = memo.get(prefix)
+                self._composition_failure(prefix, known, other)
+
+    def _composition_failure(self, history: tuple[int, ...], known: Mapping[str, Payload], piped: Payload) -> None:
         assert self.pipeline is not None
         tolerance = self.chunked.stages[0].caps.tolerance
-        for position, reference, other in zip(ends, single, piped, strict=True):
-            difference = payload_difference(reference, other, tolerance)
-            if difference is not None:
-                stages = " → ".join(stage.label for stage in self.pipeline.stages)
-                message = (
-                    f"composition: after history {list(history[:position])}, the pipeline {stages} "
-                    f"gave {difference} of the single engine ({self.label})"
-                )
-                raise OracleFailure("§3 composition", message)
+        stages = " → ".join(stage.label for stage in self.pipeline.stages)
+        answers = [(path, known[path]) for path in ORACLE_PATHS if path in known]
+        first = answers[0][1]
+        if any(payload_difference(first, answer, tolerance) is not None for _, answer in answers[1:]):
+            each = ", ".join(f"{ORACLE_PATHS[path]} gives {show(answer)}" for path, answer in answers)
+            message = (
+                f"after history {list(history)}, the single engine's own paths disagree ({self.label}): "
+                f"{each}; the pipeline {stages} gives {show(piped)}"
+            )
+            raise OracleFailure("§3 determinism", message)
+        difference = payload_difference(first, piped, tolerance)
+        if difference is not None:
+            ways = ", ".join(ORACLE_PATHS[path] for path, _ in answers)
+            message = (
+                f"composition: after history {list(history)}, the pipeline {stages} "
+                f"gave {difference} of the single engine ({self.label}, by {ways})"
+            )
+            raise OracleFailure("§3 composition", message)
 
 
-class Recomputer:
-    """The ``recompute`` path: each history in one prefill, as a session of its own that is
-    released at once, on one twin engine per example (loading an engine per history cost a
-    real engine more than the prefill). A correct engine's answer depends on the history
-    alone, so the engine's earlier sessions cannot change it; where they do, the paths
-    disagree and the engine is at fault either way."""
+class OneShotTwin:
+    """One twin engine per example that answers a whole history at once, as a session of its
+    own released at once: the ``recompute`` of every history, and the ``stepwise`` and
+    ``chunked`` paths of a long history on which the recompute and the engine under test
+    disagree. (Loading an engine per history cost a real engine more than the prefill.) A
+    correct engine's answer depends on the history alone, so the engine's earlier sessions
+    cannot change it; where they do, the paths disagree and the engine is at fault either way."""
 
     def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest) -> None:
         self.stage = _load_stage(build, request, request.shard_start, request.shard_end)
-        self.recomputed = 0
+        self.sessions = 0
 
-    def answer(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
-        session = f"{TWIN_SESSION}-recompute-{self.recomputed}"
-        self.recomputed += 1
-        action = step_action("prefill", session, 0, 0, history)
-        payloads = _feed([self.stage], action)
-        ends = range(1, len(history) + 1) if len(payloads) == len(history) else [len(history)]
-        _remember(memo, history, "recompute", ends, payloads)
-        released = self.stage.engine.release(session)
-        if not isinstance(released, StructuredStatus) or not released.ok:
-            message = f"a fresh twin ({self.stage.label}) answered release({session!r}) with {released!r}, not OK"
-            raise OracleFailure("§3 twin oracle", message)
+    def recompute(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+        feed = self._session()
+        _remember(memo, history, "recompute", *feed.send(history, 0, len(history)))
+        feed.release()
+
+    def arbitrate(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+        """Answer ``history`` (and its prefixes) by the ``stepwise`` and ``chunked`` paths,
+        the last chunk cut where the history ends."""
+        stepwise = self._session()
+        for position in range(len(history)):
+            _remember(memo, history, "stepwise", *stepwise.send(history, position, position + 1))
+        stepwise.release()
+        chunked = self._session()
+        cuts = [*chunk_pieces(0, len(history))]
+        last = cuts[-1][1] if cuts else 0
+        for piece_start, piece_end in cuts + ([(last, len(history))] if last < len(history) else []):
+            _remember(memo, history, "chunked", *chunked.send(history, piece_start, piece_end))
+        chunked.release()
+
+    def _session(self) -> _Feed:
+        self.sessions += 1
+        return _Feed([self.stage], f"{TWIN_SESSION}-{self.sessions}")
 
 
 def _remember(
