@@ -82,7 +82,7 @@ def _replay_choices(
     observer = RunObserver()  # minimisation is not part of the run's figures
     instance = observed(machine, observer)()
     try:
-        instance.load_engine(layout=failure.layout)
+        instance.load_engine(layout=failure.layout, id_pool=failure.id_pool)
         for choice in choices:
             getattr(instance, choice.rule)(**dict(choice.arguments))
     except StepFailed:
