@@ -195,7 +195,7 @@ def test_composition_is_checked_beyond_the_eager_twins() -> None:
     failure = _one_prefill_then_decodes(driver, decodes=EAGER_TOKENS + 16)
     assert failure is not None, "a pipeline stage that goes wrong late went unnoticed"
     assert failure.violation.property == "§3 composition", failure.violation
-    assert "by a recompute in one prefill, one token per decode, a random chunking)" in failure.violation.message, (
+    assert "by a recompute in one prefill, one token per decode and a random chunking)" in failure.violation.message, (
         failure.violation.message
     )
 
@@ -235,7 +235,7 @@ def test_when_the_paths_agree_the_message_names_them_all() -> None:
         driver.execute(step_action("prefill", "b", 0, 0, (3, 4)))
     message = failed.value.violation.message
     assert "after history [3, 4], as fresh twins (" in message, message
-    assert "gave by a recompute in one prefill and one token per decode" in message
+    assert "gave by a recompute in one prefill, one token per decode and a random chunking" in message
 
 
 def test_beyond_the_eager_twins_an_agreed_answer_is_named_by_every_path() -> None:
@@ -276,3 +276,50 @@ def test_the_chunked_path_covers_the_history_in_order_with_short_pieces(start: i
     assert pieces == list(chunk_pieces(start, end)), "the same history is always cut alike"
     if end - start > 20:
         assert len({piece_end - piece_start for piece_start, piece_end in pieces}) > 2
+
+
+class PrefixCacheOutlivesRelease(DelegatingEngine[FakeShardEngine]):
+    """A prefix cache keyed on a prompt's first 3 tokens, kept across sessions and releases."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+        self.cache: dict[tuple[int, ...], StepResult] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = self.inner.prefill(request)
+        tokens = request.token_ids
+        if not (result.status.ok and request.step == 0 and tokens is not None and len(tokens) >= 3):
+            return result
+        return StepResult(result.status, result.cache, self.cache.setdefault(tokens[:3], result).output)
+
+
+def test_a_recompute_twin_led_astray_by_its_own_earlier_sessions_never_judges_the_engine() -> None:
+    """The example's recompute twin serves one session per history: after recomputing [0, 0, 31]
+    its prefix cache answers [0, 0, 31, 1] wrong, while the engine under test (which decoded
+    those tokens) is right. Fresh engines answer the history again: nothing is blamed, the
+    run says why its recompute was not used, and a fresh twin takes over."""
+    driver = _driver(PrefixCacheOutlivesRelease)
+    for step, token in enumerate((0, 0, 31, 1)):
+        driver.execute(step_action("prefill" if step == 0 else "decode", "a", 0, step, (token,)))
+    assert any(caveat.startswith("the recompute twin") for caveat in driver.caveats), driver.caveats
+    assert any("answered [0, 0, 31, 1] with token" in note for note in driver.notes), driver.notes
+    # The same bug in the engine under test itself is still found, with fresh twins' answers.
+    driver.execute(step_action("prefill", "b", 0, 0, (0, 0, 31)))
+    with pytest.raises(StepFailed) as failed:
+        driver.execute(step_action("prefill", "c", 0, 0, (0, 0, 31, 2)))
+    message = failed.value.violation.message
+    assert "as fresh twins (" in message, message
+    assert "a random chunking" in message, message
+
+
+def test_a_recompute_twin_that_fails_after_its_own_earlier_sessions_is_replaced_not_blamed() -> None:
+    """A head whose prefix cache, keyed on the first token, serves the bundle it cached for the
+    recompute of [0] (another session's header) when the recompute twin prefills [0, 0]: the
+    twin's bad output came from its own earlier session. A fresh engine recomputes [0, 0]."""
+    from shardkit._planted import PrefixCacheKeyedOnFirstToken
+
+    driver = _driver(PrefixCacheKeyedOnFirstToken, HEAD)
+    driver.execute(step_action("prefill", "a", 0, 0, (0,)))
+    driver.execute(step_action("decode", "a", 0, 1, (0,)))
+    assert any(caveat.startswith("the recompute twin") for caveat in driver.caveats), driver.caveats
+    assert any("failed at [0, 0]" in note for note in driver.notes), driver.notes

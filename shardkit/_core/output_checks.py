@@ -9,26 +9,39 @@ twin's own failure is a finding and when it is the reference engine's fault.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
 from shardkit._core.steps import Action
 from shardkit._core.targets import ResolvedTarget, passes_through, short_name
-from shardkit._core.twins import EAGER_TOKENS, ORACLE_PATHS, OneShotTwin, OracleFailure, TwinSession
+from shardkit._core.twins import (
+    EAGER_TOKENS,
+    ORACLE_PATHS,
+    OneShotTwin,
+    OracleFailure,
+    TwinSession,
+    fresh_answers,
+    listed,
+    paths_text,
+)
 from shardkit.contract import EngineCapabilities, EngineError, StepResult
 from shardkit.errors import InvalidTarget
 
 __all__ = ["OutputChecks", "SessionLog", "flat_history"]
 
+T = TypeVar("T")
 
-def _and(phrases: Iterable[str]) -> str:
-    """``a, b and c``."""
-    listed = list(phrases)
-    return listed[0] if len(listed) == 1 else f"{', '.join(listed[:-1])} and {listed[-1]}"
+#: Shown under the run's coverage, per example it happened in.
+LEAKY_RECOMPUTE = (
+    "the recompute twin (docs/contract.md#twin-oracle): the engine that recomputes each history answered "
+    "one differently, or failed, after serving other sessions, where a fresh engine did not (the engine's "
+    "answers depend on sessions it served before); the engine under test was judged on fresh engines' answers"
+)
 
 
 def flat_history(session: SessionState) -> tuple[int, ...]:
@@ -121,9 +134,9 @@ class OutputChecks(StepContext):
         assert result.output is not None
         payloads = payloads_of(result.output, count)
         ends = range(len(history) - count + 1, len(history) + 1) if len(payloads) == count else [len(history)]
-        followed: list[TwinSession] = []
+        followed = None
         if self.use_twins:
-            self._asking_twins(lambda: followed.extend(self._consult_twins(request.session_id, session, history)))
+            followed = self._asking_twins(lambda: self._consult_twins(request.session_id, session, history))
         unreferenced: list[tuple[int, ...]] = []
         for end, payload in zip(ends, payloads, strict=True):
             references = self.memo.get(history[:end])
@@ -131,14 +144,14 @@ class OutputChecks(StepContext):
                 unreferenced.append(history[:end])
                 continue
             failure = self._judge(history[:end], payload, references, strict=strict)
-            if failure is not None and "stepwise" not in references:
-                # Only the recompute answered this long history: never blame on one path's word.
-                failure = self._arbitrate(history[:end], payload, strict=strict)
+            if failure is not None:
+                # Never blame on one path's word, nor on a twin that had served other sessions.
+                failure = self._judge(history[:end], payload, self._answers_again(history[:end]), strict=strict)
             if failure is not None:
                 return [failure], unreferenced
-        for twin in followed:
+        if followed is not None:
             # After the engine under test is judged: a wrong recompute is blamed there, with every path.
-            self._asking_twins(partial(twin.compose, history, self.memo, self._arbitrate_history))
+            self._asking_twins(partial(followed.compose, history, self.memo, self._answers_again))
         return [], unreferenced
 
     def _judge(
@@ -169,17 +182,17 @@ class OutputChecks(StepContext):
             if None in differences:
                 return None
             difference = differences[0]
-            ways = _and(ORACLE_PATHS[path] for path, _ in answers)
+            ways = listed(ORACLE_PATHS[path] for path, _ in answers)
             observed = show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}"
             return Fail("§3 determinism", f"{show(expected)} {after}, as {twins} gave by {ways}", observed)
-        each = ", ".join(f"{ORACLE_PATHS[path]} gives {show(answer)}" for path, answer in answers)
+        each = paths_text(references)
         if self.differential:
             what = f"its paths disagree {after}: {each}"
             raise self._broken_reference(what)
         agreeing = [group for group in groups if len(group) > 1]
         detail = ""
         if agreeing and payload_difference(agreeing[0][0][1], payload, tolerance) is not None:
-            paths = _and(ORACLE_PATHS[path] for path, _ in agreeing[0])
+            paths = listed(ORACLE_PATHS[path] for path, _ in agreeing[0])
             detail = f"{paths} agree on {show(agreeing[0][0][1])}"
         return Fail(
             "§3 determinism",
@@ -192,20 +205,45 @@ class OutputChecks(StepContext):
     def _twin_layers(self) -> str:
         return f"{self.load_request.shard_start}..{self.load_request.shard_end}"
 
-    def _arbitrate(self, history: tuple[int, ...], payload: Payload, *, strict: bool) -> Fail | None:
-        """Judge ``payload`` again once the ``stepwise`` and ``chunked`` paths have answered too."""
-        self._asking_twins(lambda: self._arbitrate_history(history))
-        return self._judge(history, payload, self.memo.get(history), strict=strict)
+    def _recompute(self, history: tuple[int, ...]) -> None:
+        """The recompute of ``history`` on the example's recompute twin. If the twin fails at
+        it, the sessions it served before may have led it astray: a fresh engine tries; if
+        that one answers, it takes over (and the run says so), else its failure stands."""
+        twin = self._one_shot()
+        try:
+            twin.answer("recompute", history, self.memo)
+        except OracleFailure as failure:
+            if twin.sessions == 1:
+                raise
+            self.one_shot = None
+            self._one_shot().answer("recompute", history, self.memo)
+            self._leaky_recompute(f"the twin recomputing each history failed at {list(history)} ({failure})")
 
-    def _arbitrate_history(self, history: tuple[int, ...]) -> None:
-        self._one_shot().arbitrate(history, self.memo)
+    def _leaky_recompute(self, what: str) -> None:
+        self.caveats.add(LEAKY_RECOMPUTE)
+        self.notes.append(f"step {self._step[0]}: {what}, having served other sessions; a fresh engine took over")
+
+    def _answers_again(self, history: tuple[int, ...]) -> Mapping[str, Payload]:
+        """Every path's answer for ``history``, each from an engine loaded for it alone: what
+        a verdict rests on. Where the example's recompute twin answered otherwise, the
+        sessions it had served led it astray: a fresh one takes over, and the run says so."""
+        answers = self._asking_twins(lambda: fresh_answers(self.reference, self.load_request, history))
+        earlier = self.memo.get(history).get("recompute")
+        if earlier is not None and payload_difference(earlier, answers["recompute"], self.caps.tolerance) is not None:
+            self.one_shot = None
+            self._leaky_recompute(
+                f"the twin recomputing each history answered {list(history)} with {show(earlier)} "
+                f"where a fresh engine answers {show(answers['recompute'])}"
+            )
+        self.memo.correct(history, answers)
+        return answers
 
     def _one_shot(self) -> OneShotTwin:
         if self.one_shot is None:
             self.one_shot = OneShotTwin(self.reference, self.load_request)
         return self.one_shot
 
-    def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> list[TwinSession]:
+    def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> TwinSession | None:
         """Have the recompute answer for ``history``, and the twins that follow the session
         (``stepwise`` and ``chunked`` within ``EAGER_TOKENS``) catch up with it, unless the memo
         already holds their answers: the twins whose composition pipeline is still to be fed."""
@@ -214,9 +252,9 @@ class OutputChecks(StepContext):
         # twin answers only where a chunk ends: it is not waited for.)
         seen = "stepwise" in known or (len(history) > EAGER_TOKENS and "recompute" in known)
         if "recompute" not in known:
-            self._one_shot().recompute(history, self.memo)
+            self._recompute(history)
         if seen:
-            return []
+            return None
         twin = self.twins.get(session_id)
         if twin is None or not twin.continues(history, session.epoch):
             twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
@@ -225,13 +263,13 @@ class OutputChecks(StepContext):
                 self.split_twins = False
                 self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
         twin.advance(history, self.memo)
-        return [twin]
+        return twin
 
-    def _asking_twins(self, ask: Callable[[], None]) -> None:
-        """Run ``ask``; what a twin does wrong is the engine's failure, or with a reference
+    def _asking_twins(self, ask: Callable[[], T]) -> T:
+        """``ask()``; what a twin does wrong is the engine's failure, or with a reference
         engine the reference's."""
         try:
-            ask()
+            return ask()
         except OracleFailure as failure:
             if self.differential:
                 raise self._broken_reference(str(failure)) from None

@@ -19,9 +19,14 @@ after 20 decodes goes wrong in the twin too), so a history can be computed three
 prefill already exercises the engine's decode and chunking paths. Beyond that, feeding them
 every token cost more than the engine under test itself (one call per token of every long
 prefill), so they answer a longer history only when the engine under test and the recompute
-disagree on it (``OneShotTwin.arbitrate``): no answer is then printed as expected unless the
-paths agree. What that gives up: on a long history, a bug of the decode or chunking path
+disagree on it. What that gives up: on a long history, a bug of the decode or chunking path
 that the engine under test did not take itself is not seen.
+
+The recompute runs on one engine per example, which serves each history as a session of
+its own. An engine whose sessions leak into each other (a prefix cache that outlives a
+release) can then answer a recompute wrongly while the engine under test answered right.
+So before any answer is judged wrong, every path answers that history again on engines
+loaded for it alone (``fresh_answers``), and only those answers are printed.
 
 Where the layer range can be split, a two-stage pipeline of sub-range engines is fed the
 ``chunked`` path's pieces and must answer like the single engine (composition). Twins write
@@ -30,7 +35,7 @@ the memo; the engine under test is only compared to it (``shardkit._core.output_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -57,6 +62,9 @@ __all__ = [
     "OracleFailure",
     "TwinSession",
     "chunk_pieces",
+    "fresh_answers",
+    "listed",
+    "paths_text",
     "split_ranges",
 ]
 
@@ -77,6 +85,17 @@ EAGER_TOKENS = 32
 
 #: Chunk lengths of the ``chunked`` path: short, so a history is cut in several places.
 _LONGEST_CHUNK = 7
+
+
+def listed(phrases: Iterable[str]) -> str:
+    """``a, b and c``."""
+    items = list(phrases)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def paths_text(answers: Mapping[str, Payload]) -> str:
+    """``a recompute in one prefill gives token 5, one token per decode gives token 19``."""
+    return ", ".join(f"{ORACLE_PATHS[path]} gives {show(answers[path])}" for path in ORACLE_PATHS if path in answers)
 
 
 class OracleFailure(Exception):
@@ -169,8 +188,6 @@ class TwinSession:
     ``chunked`` up to ``EAGER_TOKENS`` tokens, the composition pipeline all the way."""
 
     epoch: int
-    build: Callable[[], ShardEngine]
-    request: LoadRequest
     stepwise: _Feed
     chunked: _Feed
     pipeline: _Feed | None
@@ -190,13 +207,13 @@ class TwinSession:
         label = f"{_engine_name(build)}, layers {whole[0]}..{whole[1]}"
         ranges = split_ranges(request) if split else None
         if ranges is None:
-            return cls(epoch, build, request, stepwise, chunked, None, label)
+            return cls(epoch, stepwise, chunked, None, label)
         try:
             pipeline = _Feed([_load_stage(build, request, start, end) for start, end in ranges])
         except EngineError as refusal:
             refused = f"the engine cannot load a split of its range: {refusal}"
-            return cls(epoch, build, request, stepwise, chunked, None, label, pipeline_refused=refused)
-        return cls(epoch, build, request, stepwise, chunked, pipeline, label)
+            return cls(epoch, stepwise, chunked, None, label, pipeline_refused=refused)
+        return cls(epoch, stepwise, chunked, pipeline, label)
 
     def continues(self, history: tuple[int, ...], epoch: int) -> bool:
         """Whether this twin has been fed a beginning of ``history`` in ``epoch``."""
@@ -217,12 +234,16 @@ class TwinSession:
             self.chunked_to = piece_end
 
     def compose(
-        self, history: tuple[int, ...], memo: HistoryMemo, arbitrate: Callable[[tuple[int, ...]], None]
+        self,
+        history: tuple[int, ...],
+        memo: HistoryMemo,
+        answers_again: Callable[[tuple[int, ...]], Mapping[str, Payload]],
     ) -> None:
         """Feed the pipeline each chunk of ``history`` now complete, and check each answer
         against the single engine's: the ``chunked`` twin's, fed the same pieces, or beyond
-        ``EAGER_TOKENS`` the recompute's, where it answered. A difference from the recompute
-        alone is ``arbitrate``d first: the single engine's paths may disagree among themselves."""
+        ``EAGER_TOKENS`` the recompute's, where it answered. A difference is judged on every
+        path's answer again (``answers_again``, on fresh engines): the single engine's paths
+        may disagree among themselves, or the recompute's engine may have gone wrong."""
         if self.pipeline is None:
             return
         tolerance = self.chunked.stages[0].caps.tolerance
@@ -233,29 +254,23 @@ class TwinSession:
                 prefix = history[:position]
                 known = memo.get(prefix)
                 path = next((path for path in ("chunked", "recompute") if path in known), None)
-                if path is None or payload_difference(known[path], other, tolerance) is None:
-                    continue
-                if "stepwise" not in known:
-                    arbitrate(prefix)
-                    known = memo.get(prefix)
-                self._composition_failure(prefix, known, other)
+                if path is not None and payload_difference(known[path], other, tolerance) is not None:
+                    self._composition_failure(prefix, answers_again(prefix), other)
 
-    def _composition_failure(self, history: tuple[int, ...], known: Mapping[str, Payload], piped: Payload) -> None:
+    def _composition_failure(self, history: tuple[int, ...], answers: Mapping[str, Payload], piped: Payload) -> None:
         assert self.pipeline is not None
         tolerance = self.chunked.stages[0].caps.tolerance
         stages = " → ".join(stage.label for stage in self.pipeline.stages)
-        answers = [(path, known[path]) for path in ORACLE_PATHS if path in known]
-        first = answers[0][1]
-        if any(payload_difference(first, answer, tolerance) is not None for _, answer in answers[1:]):
-            each = ", ".join(f"{ORACLE_PATHS[path]} gives {show(answer)}" for path, answer in answers)
+        first, *others = answers.values()
+        if any(payload_difference(first, answer, tolerance) is not None for answer in others):
             message = (
                 f"after history {list(history)}, the single engine's own paths disagree ({self.label}): "
-                f"{each}; the pipeline {stages} gives {show(piped)}"
+                f"{paths_text(answers)}; the pipeline {stages} gives {show(piped)}"
             )
             raise OracleFailure("§3 determinism", message)
         difference = payload_difference(first, piped, tolerance)
         if difference is not None:
-            ways = ", ".join(ORACLE_PATHS[path] for path, _ in answers)
+            ways = listed(ORACLE_PATHS[path] for path in ORACLE_PATHS if path in answers)
             message = (
                 f"composition: after history {list(history)}, the pipeline {stages} "
                 f"gave {difference} of the single engine ({self.label}, by {ways})"
@@ -264,39 +279,42 @@ class TwinSession:
 
 
 class OneShotTwin:
-    """One twin engine per example that answers a whole history at once, as a session of its
-    own released at once: the ``recompute`` of every history, and the ``stepwise`` and
-    ``chunked`` paths of a long history on which the recompute and the engine under test
-    disagree. (Loading an engine per history cost a real engine more than the prefill.) A
-    correct engine's answer depends on the history alone, so the engine's earlier sessions
-    cannot change it; where they do, the paths disagree and the engine is at fault either way."""
+    """A twin engine that answers a whole history by one path at once, as a session of its
+    own released at once. The driver keeps one per example for the ``recompute`` of every
+    history (loading an engine per history cost a real engine more than the prefill)."""
 
     def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest) -> None:
         self.stage = _load_stage(build, request, request.shard_start, request.shard_end)
         self.sessions = 0
 
-    def recompute(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+    def answer(self, path: str, history: tuple[int, ...], memo: HistoryMemo) -> None:
+        """Answer ``history`` (and the prefixes an output row speaks for) by ``path``; the
+        ``chunked`` path's last chunk is cut where the history ends."""
         feed = self._session()
-        _remember(memo, history, "recompute", *feed.send(history, 0, len(history)))
+        if path == "recompute":
+            pieces: list[tuple[int, int]] = [(0, len(history))]
+        elif path == "stepwise":
+            pieces = [(position, position + 1) for position in range(len(history))]
+        else:
+            pieces = [*chunk_pieces(0, len(history))]
+            last = pieces[-1][1] if pieces else 0
+            pieces += [(last, len(history))] if last < len(history) else []
+        for start, end in pieces:
+            _remember(memo, history, path, *feed.send(history, start, end))
         feed.release()
-
-    def arbitrate(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
-        """Answer ``history`` (and its prefixes) by the ``stepwise`` and ``chunked`` paths,
-        the last chunk cut where the history ends."""
-        stepwise = self._session()
-        for position in range(len(history)):
-            _remember(memo, history, "stepwise", *stepwise.send(history, position, position + 1))
-        stepwise.release()
-        chunked = self._session()
-        cuts = [*chunk_pieces(0, len(history))]
-        last = cuts[-1][1] if cuts else 0
-        for piece_start, piece_end in cuts + ([(last, len(history))] if last < len(history) else []):
-            _remember(memo, history, "chunked", *chunked.send(history, piece_start, piece_end))
-        chunked.release()
 
     def _session(self) -> _Feed:
         self.sessions += 1
         return _Feed([self.stage], f"{TWIN_SESSION}-{self.sessions}")
+
+
+def fresh_answers(build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...]) -> dict[str, Payload]:
+    """Every path's answer for ``history``, each path on an engine loaded for it alone: what
+    a verdict rests on, whatever sessions the twins had served before."""
+    memo = HistoryMemo()
+    for path in ORACLE_PATHS:
+        OneShotTwin(build, request).answer(path, history, memo)
+    return dict(memo.get(history))
 
 
 def _remember(
