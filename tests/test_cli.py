@@ -576,3 +576,18 @@ def test_a_target_file_imports_its_neighbours_as_a_script_would(tmp_path: Path) 
     completed = subprocess.run(command, cwd=elsewhere, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "no failure found" in completed.stdout
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``shardkit fuzz | head -1``: the run's first line is read, then the pipe closes; the
+    rest cannot be written, and that is said by the exit code alone (141, as for SIGPIPE),
+    not by a traceback."""
+    command = [sys.executable, "-m", "shardkit", "fuzz", "--seed", "1", "--examples", "100", "--out", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    assert process.stdout.readline().startswith("shardkit fuzz")
+    process.stdout.close()  # the summary comes seconds later, into a closed pipe
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 141, err
+    assert "Traceback" not in err, err
+    assert "BrokenPipe" not in err, err

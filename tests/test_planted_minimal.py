@@ -27,7 +27,6 @@ from shardkit._core.targets import IsolationOptions
 from shardkit._planted import PLANTED, PlantedEngine
 from shardkit._planted.dying import DYING, DyingEngine
 from shardkit._planted.minimal import KvTokens, Step, prefill
-from shardkit._planted.reach import REACH_PLANTED
 from shardkit._planted.traces import minimal_trace
 from shardkit._run.result import FuzzResult
 from tests.test_pipeline_engine import PLANTED as PLANTED_PIPELINES
@@ -123,13 +122,6 @@ def test_each_planted_minimal_fails_on_replay_and_no_step_can_go(
     engine: type[PlantedEngine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     check_minimal(capsys, tmp_path, engine, f"shardkit._planted:{engine.__name__}")
-
-
-@pytest.mark.parametrize("engine", REACH_PLANTED, ids=lambda engine: engine.__name__)
-def test_each_reach_planted_minimal_fails_on_replay_and_no_step_can_go(
-    engine: type[PlantedEngine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    check_minimal(capsys, tmp_path, engine, f"shardkit._planted.reach:{engine.__name__}")
 
 
 @pytest.mark.parametrize("engine", [*PLANTED_PIPELINES, TailGetsTheHeadsBundle], ids=lambda engine: engine.__name__)

@@ -94,6 +94,9 @@ def test_regression_files_fail_on_the_buggy_engines_and_pass_on_the_fake(
         shutil.copy(result.regression_path, pytester.path)
     on_bugs = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     on_bugs.assert_outcomes(failed=len(planted_runs))
+    # Each failure reads as shardkit prints it, not as pytest's repr of the result objects.
+    on_bugs.stdout.fnmatch_lines(["*  expected: *"])
+    on_bugs.stdout.no_fnmatch_line("*Violation(*")
     on_fake = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--shardkit-engine", "shardkit:FakeShardEngine")
     on_fake.assert_outcomes(passed=len(planted_runs))
 

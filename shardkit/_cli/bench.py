@@ -223,7 +223,7 @@ def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
                 "minimal_length": len(engine.MINIMAL),
                 "late": bool(getattr(engine, "LATE", False)),
                 "found_at_seeds": len(found),
-                "at_minimum_at_seeds": sum(run["shrunk_length"] == len(engine.MINIMAL) for run in found),
+                "at_minimum_at_seeds": sum(run["shrunk_length"] == run["minimum"] for run in found),
                 "caught_by_contract": caught_by_contract,
                 "runs": runs,
             }
@@ -239,14 +239,24 @@ def _planted_run(config: BenchSettings, module: Any, engine: Any, seed: int) -> 
     """One planted engine fuzzed at one seed: found, how fast, how short."""
     started = time.perf_counter()
     result = fuzz(
-        f"{config.planted_module}:{engine.__name__}", seed=seed, examples=config.examples, steps=config.steps, role=engine.ROLE
+        f"{config.planted_module}:{engine.__name__}",
+        seed=seed,
+        examples=config.examples,
+        steps=config.steps,
+        role=engine.ROLE,
+        # The faults the engine names (as the self-tests fuzz it), else every kind.
+        faults=getattr(engine, "FAULTS", "all"),
     )
     total = time.perf_counter() - started
     first_examples, first_seconds, walk_length = result.first_failure or (None, None, None)
+    found_property = result.failure.violation.property if result.failure is not None else None
+    minimum_for = getattr(engine, "minimum_for", None)  # a planted engine of another module may not have it
     return {
         "seed": seed,
+        # The minimum of the property the bug showed through (a few show through two, at two lengths).
+        "minimum": minimum_for(found_property) if minimum_for is not None else len(engine.MINIMAL),
         "found": result.failure is not None and module.names_its_property(engine, result.failure.violation.property),
-        "property": result.failure.violation.property if result.failure is not None else None,
+        "property": found_property,
         "examples_to_first_failure": first_examples,
         "seconds_to_first_failure": _rounded(first_seconds),
         "random_walk_length": walk_length,
@@ -403,10 +413,10 @@ def render(bench: dict[str, Any]) -> str:
 
 
 def _planted_summary(planted: list[dict[str, Any]]) -> str:
-    runs = [run | {"minimal_length": row["minimal_length"]} for row in planted for run in row["runs"]]
+    runs = [run for row in planted for run in row["runs"]]
     found = [run for run in runs if run["found"]]
-    at_minimum = [run for run in found if run["shrunk_length"] == run["minimal_length"]]
-    within_one = [run for run in found if run["shrunk_length"] <= run["minimal_length"] + 1]
+    at_minimum = [run for run in found if run["shrunk_length"] == run["minimum"]]
+    within_one = [run for run in found if run["shrunk_length"] <= run["minimum"] + 1]
     everywhere = sum(row["found_at_seeds"] == len(row["runs"]) for row in planted)
     contract = sum(row["caught_by_contract"] for row in planted)
     return (

@@ -6,6 +6,7 @@ error, reported in one line without a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
 from shardkit._cli.commands import bench_command, contract_command, replay_command, serve_command
 from shardkit._cli.fuzz import fuzz_command, left_behind
-from shardkit._cli.parser import EXIT_INTERRUPTED, EXIT_USAGE, build_parser, one_line
+from shardkit._cli.parser import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_USAGE, build_parser, one_line
 from shardkit._core.targets import describe_exception
 from shardkit.contract import EngineError
 from shardkit.errors import EngineLost, KitBug, ShardkitError, UsageError
@@ -47,6 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader stopped reading (`shardkit replay T | head`): what was printed stands, and
+        # nothing more can be; without this, Python reports the closed pipe again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OUTPUT_CLOSED
     except EngineLost as lost:
         # Not an Exception, so that it ends a run wherever it happens: the server went away.
         print(f"shardkit: error: {one_line(str(lost))}{left_behind(args, lost)}", file=sys.stderr)

@@ -30,6 +30,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 #: Seeds at which ``shardkit bench`` fuzzes each planted engine (a found-at-one-seed is luck).
 BENCH_PLANTED_SEEDS = 5
 EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
+EXIT_OUTPUT_CLOSED = 141  # the reader of stdout went away (`| head`), as shells report SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):

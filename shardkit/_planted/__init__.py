@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import ClassVar
+from types import MappingProxyType
 
 from shardkit import (
     BoundaryBundle,
     CacheResult,
     DecodeRequest,
     EngineCapabilities,
-    FakeShardEngine,
     Fault,
     MetricsResult,
     PrefillRequest,
@@ -30,50 +29,22 @@ from shardkit import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit import DelegatingEngine as PublicDelegatingEngine
-from shardkit._planted.minimal import KvTokens, Step, cancel, decode, fault, prefill, release
-
-StepRequest = PrefillRequest | DecodeRequest
-
-
-class DelegatingEngine(PublicDelegatingEngine[FakeShardEngine]):
-    """Delegates contract v1 to a fresh fake (and nothing else: no ``inject_fault``, which
-    ``shardkit.DelegatingEngine`` does not forward), as a zero-argument target."""
-
-    def __init__(self) -> None:
-        super().__init__(FakeShardEngine())
-
-
-class PlantedEngine(DelegatingEngine):
-    """Delegates everything, faults included, to a fresh fake; subclasses override one behaviour."""
-
-    BUG: ClassVar[str]
-    PROPERTY: ClassVar[str]  # what the kit's violation must name (a prefix of it)
-    #: Other properties through which the same bug may surface first, depending on the sequence.
-    ALSO: ClassVar[tuple[str, ...]] = ()
-    #: The minimal failing sequence, one ``Step`` each; ``len(MINIMAL)`` is the minimum length.
-    MINIMAL: ClassVar[tuple[Step, ...]]
-    ROLE: ClassVar[str] = "full"
-    #: The faults a run needs to find it (``--faults``); its MINIMAL's trace enables these.
-    FAULTS: ClassVar[str] = "all"
-    CONTRACT_CHECK: ClassVar[str | None] = None  # the static check that catches it, if any
-    #: A bug that needs dozens of steps: the shrunk sequence must come within one step of MINIMAL.
-    LATE: ClassVar[bool] = False
-
-    def inject_fault(self, fault: Fault) -> StructuredStatus:
-        return self.inner.inject_fault(fault)
-
-    def _shift(self, result: StepResult) -> StepResult:
-        """``result`` with the next token id in place of its own: a wrong answer for any
-        vocabulary of two or more, whose size is the engine's own (its capabilities)."""
-        return _shift_token(result, self.inner.capabilities().vocab_size)
-
-
-def _shift_token(result: StepResult, vocab_size: int) -> StepResult:
-    if isinstance(result.output, TokenOutput):
-        token = (result.output.token_id + 1) % vocab_size
-        return replace(result, output=TokenOutput(token, result.output.margin))
-    return result
+from shardkit._planted.base import DelegatingEngine as DelegatingEngine
+from shardkit._planted.base import PlantedEngine as PlantedEngine
+from shardkit._planted.base import StepRequest as StepRequest
+from shardkit._planted.base import names_its_property as names_its_property
+from shardkit._planted.minimal import KvTokens, cancel, decode, fault, prefill, release
+from shardkit._planted.reach import REACH_PLANTED
+from shardkit._planted.reach import CancelMatchesIdPrefix as CancelMatchesIdPrefix
+from shardkit._planted.reach import DecodeFastPathCorruptsAfter20 as DecodeFastPathCorruptsAfter20
+from shardkit._planted.reach import DecodeWindowsTheLast20Tokens as DecodeWindowsTheLast20Tokens
+from shardkit._planted.reach import EpochStoredIn32Bits as EpochStoredIn32Bits
+from shardkit._planted.reach import KvBlockBoundaryMiscounted as KvBlockBoundaryMiscounted
+from shardkit._planted.reach import PrefixCacheKeyedOnFirst3Tokens as PrefixCacheKeyedOnFirst3Tokens
+from shardkit._planted.reach import PressureLeaksReleasedTokens as PressureLeaksReleasedTokens
+from shardkit._planted.reach import RestartKeepsCancelledFlag as RestartKeepsCancelledFlag
+from shardkit._planted.reach import SessionsKeyedOnIdPrefix as SessionsKeyedOnIdPrefix
+from shardkit._planted.reach import SessionSurvivesCrash as SessionSurvivesCrash
 
 
 def _with_ids(request: StepRequest, epoch: int, step: int) -> StepRequest:
@@ -371,6 +342,10 @@ class CancelledSessionStillServes(PlantedEngine):
 class PrefixCacheKeyedOnFirstToken(PlantedEngine):
     BUG = "a prefix cache keyed on the first token serves another prompt's cached answer"
     PROPERTY = "§3 determinism"
+    # A resent prefill is served from the cache too: an armed malformed_output never shows
+    # (a prefill, the fault, the prefill resent).
+    ALSO = ("§4 malformed_output",)
+    ALSO_MINIMUM = MappingProxyType({"§4 malformed_output": 3})
     MINIMAL = (prefill("a", tokens=(0,)), prefill("b", tokens=(0, 3)))
 
     def __init__(self) -> None:
@@ -495,10 +470,6 @@ class RestartKeepsOldEpochCache(PlantedEngine):
         return self.inner.release(session_id)
 
 
-def names_its_property(engine: type[PlantedEngine], property_name: str) -> bool:
-    return any(property_name.startswith(expected) for expected in (engine.PROPERTY, *engine.ALSO))
-
-
 PLANTED: tuple[type[PlantedEngine], ...] = (
     StaleEpochAccepted,
     DecodeOfUnknownSessionServed,
@@ -519,4 +490,5 @@ PLANTED: tuple[type[PlantedEngine], ...] = (
     RequestIdWrapsAt32,
     DelayedStepTimesOut,
     RestartKeepsOldEpochCache,
+    *REACH_PLANTED,
 )

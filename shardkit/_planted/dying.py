@@ -24,7 +24,7 @@ from shardkit import (
     StepResult,
     StructuredStatus,
 )
-from shardkit._planted import PlantedEngine
+from shardkit._planted.base import PlantedEngine
 from shardkit._planted.minimal import cancel, decode, prefill, release
 
 #: How far the unbounded allocator goes before giving up: far beyond any test's

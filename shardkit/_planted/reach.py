@@ -1,11 +1,11 @@
-"""Planted bugs the machine is being taught to reach (issue 14): each wraps the fake like the
-engines of ``shardkit._planted`` and states its BUG, PROPERTY, ROLE and an executable MINIMAL.
-
-They are kept out of ``PLANTED`` while the generators and the twin oracle change so that a
-run can find them; ``REACH_PLANTED`` lists them for the self-tests that replay their
-MINIMAL now. Every size they depend on (vocabulary, KV budget) is read from the wrapped
-engine's capabilities; the constants of their own (a window of 20 tokens, 32-bit epochs)
-are the bug's, not the contract's.
+"""Planted bugs that engines written outside this project shipped (issue 14): a decode
+path that goes wrong late, prefix caches and session tables keyed on too little, bookkeeping
+that survives a crash or a release, counts off at a block boundary, narrow epochs. Each
+wraps the fake like the engines of ``shardkit._planted``, which lists them in ``PLANTED``
+(``REACH_PLANTED`` here), and states its BUG, PROPERTY, ROLE and an executable MINIMAL.
+Every size they depend on (vocabulary, KV budget) is read from the wrapped engine's
+capabilities; the constants of their own (a window of 20 tokens, 32-bit epochs) are the
+bug's, not the contract's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shardkit import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit._planted import PlantedEngine, StepRequest
+from shardkit._planted.base import PlantedEngine, StepRequest
 from shardkit._planted.minimal import KvTokens, cancel, decode, fault, prefill, release
 from shardkit.contract import EPOCH_STEP_LIMIT
 
@@ -335,7 +335,11 @@ class CancelMatchesIdPrefix(PlantedEngine):
 class SessionsKeyedOnIdPrefix(PlantedEngine):
     BUG = "sessions are keyed on the first 8 characters of their id: 'req-0001' and 'req-0001/retry' share one"
     PROPERTY = "§2 metrics"  # the same first chunk: answered as a retry of the other session's step
-    ALSO = ("§2 rule 8", "§2 rule 3")  # another first chunk: refused as out of order
+    ALSO = (
+        "§2 rule 8",  # another first chunk: refused as out of order
+        "§2 rule 3",
+        "§2 cancel",  # cancel('req-00010') cancels the live 'req-0001', which is due NOT_FOUND
+    )
     KEY_LENGTH: ClassVar[int] = 8
     MINIMAL = (prefill("req-0001"), prefill("req-0001/retry", note="the same first 8 characters"))
 
