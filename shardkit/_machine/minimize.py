@@ -6,8 +6,9 @@ made smaller while the *same* property is still violated:
 1. on the drawn choices — delete runs of rules (halves, quarters, … single
    ones), lower each small integer towards 0, then delete one rule while
    changing one argument of another to any value (two coordinated edits, for
-   short failures) — re-deriving every concrete step from the model's state, so
-   later steps renumber themselves;
+   short failures), then move one step to the front and lower the arguments
+   again (a fault injected first fails sooner) — re-deriving every concrete step
+   from the model's state, so later steps renumber themselves;
 2. on the concrete steps themselves, the form a trace replays — delete runs
    again, down to single steps, until no single deletion keeps the failure.
 
@@ -186,6 +187,32 @@ def _delete_and_repair(
     return choices
 
 
+def _move_to_front(
+    choices: list[Choice],
+    failing_length: Callable[[list[Choice]], int | None],
+    lower: Callable[[list[Choice]], list[Choice]],
+    budget: _Budget,
+) -> list[Choice]:
+    """Move one step to the front and lower the arguments of the result; keep it when the
+    failure got shorter. A reordering no deletion makes: ``prefill, fault, decode`` fails
+    sooner as ``fault, prefill`` once the fault is injected first (a pressure of 0 tokens
+    refuses the prefill itself)."""
+    current = failing_length(choices)
+    improved = True
+    while improved and current is not None and len(choices) <= REPAIR_MAX_STEPS and not budget.exhausted:
+        improved = False
+        for index in range(1, len(choices)):
+            candidate = [choices[index], *choices[:index], *choices[index + 1 :]]
+            if failing_length(candidate) is None:
+                continue
+            candidate = lower(candidate)
+            length = failing_length(candidate)
+            if length is not None and length < current:
+                choices, current, improved = candidate, length, True
+                break
+    return choices
+
+
 def minimize_failure(
     machine: type[ShardMachine], failure: FailureReport, *, max_replays: int = 5000
 ) -> MinimizedFailure:
@@ -209,6 +236,11 @@ def minimize_failure(
     def choices_fail(choices: list[Choice]) -> bool:
         return same_failure(_replay_choices(machine, failure, choices))
 
+    def failing_length(choices: list[Choice]) -> int | None:
+        """The steps of the replay's failure of the same property (None: no such failure)."""
+        found = _replay_choices(machine, failure, choices)
+        return len(found.records) if same_failure(found) and found is not None else None
+
     def actions_fail(actions: list[Action]) -> bool:
         return same_failure(replay_actions(machine, failure, actions))
 
@@ -216,7 +248,8 @@ def minimize_failure(
         choices, _ = _delete_runs(list(failure.choices), choices_fail, budget)
         choices = _lower_arguments(choices, choices_fail, budget)
         choices = _delete_and_repair(choices, choices_fail, budget, argument_ranges(machine))
-        _lower_arguments(choices, choices_fail, budget)
+        choices = _lower_arguments(choices, choices_fail, budget)
+        _move_to_front(choices, failing_length, lambda moved: _lower_arguments(moved, choices_fail, budget), budget)
 
     one_minimal = False
     actions = [record.action for record in best.records]
