@@ -925,3 +925,34 @@ def test_outputs_do_not_depend_on_session_id_epoch_earlier_epochs_other_sessions
     run_pipeline([head, tail], noise, session="a-bystander", epoch=epoch)
     assert run_pipeline([head, tail], chunks, session=session, epoch=epoch) == expected
     assert run_pipeline([head, tail], chunks, session=session, epoch=epoch + 1) == expected
+
+
+def test_the_row_memo_changes_no_output_and_stays_within_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are memoised across fakes (the engine under test and its twins hash the same
+    histories): the answers are those computed afresh, and a large hidden size cannot make
+    the memo outgrow its bound."""
+    from shardkit.engines import fake
+
+    def answers(config: FakeShardEngineConfig) -> list[object]:
+        engine = FakeShardEngine(config)
+        engine.load(LoadRequest("m", 0, config.total_layers - 1, config.total_layers))
+        tokens = tuple(range(12))
+        return [
+            engine.prefill(PrefillRequest("s", 0, 0, token_ids=tokens[:5])).output,
+            *(engine.decode(DecodeRequest("s", 0, step, token_ids=(tokens[step + 4],))).output for step in range(1, 8)),
+        ]
+
+    config = FakeShardEngineConfig(hidden_size=512)
+    with monkeypatch.context() as unmemoised:
+        unmemoised.setattr(fake, "_unit_float_bytes", fake._hashed_row)
+        computed = answers(config)
+    monkeypatch.setattr(fake, "_ROW_MEMO", fake._RowMemo())
+    first = answers(config)
+    remembered = answers(config)  # every row from the memo
+    monkeypatch.setattr(fake._RowMemo, "MAX_BYTES", 4096)  # about two rows of 2 KiB
+    monkeypatch.setattr(fake, "_ROW_MEMO", fake._RowMemo())
+    bounded = answers(config)
+    assert computed == first == remembered == bounded
+    memo = fake._ROW_MEMO
+    assert 0 < memo._bytes <= 4096
+    assert memo._bytes == sum(len(key) + len(row) for key, row in memo._rows.items())

@@ -17,6 +17,7 @@ import array
 import hashlib
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,7 +94,45 @@ def _unit_floats(material: bytes, count: int) -> npt.NDArray[np.float32]:
     return (words.astype(np.float32) / np.float32(32768) - np.float32(1)).astype(_FLOAT32)
 
 
+class _RowMemo:
+    """The rows last computed, by the bytes they were hashed from, up to ``MAX_BYTES`` of rows.
+
+    A row is a function of its material alone, so a memo changes no output. It is shared by
+    every fake in the process because the kit runs several on one history: the engine under
+    test, the twin that recomputes each history in one prefill (all but the history's last
+    token were computed for the previous one), the twins that follow the session. Bounded in
+    bytes, oldest out first, so a large ``hidden_size`` cannot make it grow without limit."""
+
+    MAX_BYTES: ClassVar[int] = 8 << 20
+
+    def __init__(self) -> None:
+        self._rows: dict[bytes, bytes] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def row(self, material: bytes, count: int) -> bytes:
+        key = material + count.to_bytes(8, "little")
+        found = self._rows.get(key)
+        if found is not None:
+            return found
+        computed = _hashed_row(material, count)
+        size = len(key) + len(computed)
+        with self._lock:
+            if key not in self._rows and size <= self.MAX_BYTES:
+                while self._bytes + size > self.MAX_BYTES:
+                    oldest = next(iter(self._rows))  # dicts keep insertion order
+                    self._bytes -= len(oldest) + len(self._rows.pop(oldest))
+                self._rows[key] = computed
+                self._bytes += size
+        return computed
+
+
 def _unit_float_bytes(material: bytes, count: int) -> bytes:
+    """``_unit_floats(material, count).tobytes()``, from the memo where it was computed before."""
+    return _ROW_MEMO.row(material, count)
+
+
+def _hashed_row(material: bytes, count: int) -> bytes:
     """``_unit_floats(material, count).tobytes()`` without numpy: rows are hashed once
     per layer per token, and for a handful of values the array module is faster.
     Bit-identical: ``w / 2**15 - 1`` is exact in float64 and representable in float32."""
@@ -104,6 +143,9 @@ def _unit_float_bytes(material: bytes, count: int) -> bytes:
     if _BIG_ENDIAN:
         values.byteswap()
     return values.tobytes()
+
+
+_ROW_MEMO = _RowMemo()
 
 
 @dataclass(frozen=True)
@@ -122,11 +164,12 @@ class _HashLayers:
 
     def run_layers(self, chains: list[bytes], rows: list[bytes], hidden_size: int) -> list[bytes]:
         """Push ``rows`` through the shard's layers in order, advancing ``chains`` in place."""
+        tags = [(_u64(layer), b"layer" + _u64(layer)) for layer in self.layers]
         outputs = []
         for row in rows:
-            for index, layer in enumerate(self.layers):
-                chains[index] = hashlib.sha256(chains[index] + _u64(layer) + row).digest()
-                row = _unit_float_bytes(b"layer" + _u64(layer) + chains[index], hidden_size)
+            for index, (layer, tag) in enumerate(tags):
+                chains[index] = hashlib.sha256(chains[index] + layer + row).digest()
+                row = _unit_float_bytes(tag + chains[index], hidden_size)
             outputs.append(row)
         return outputs
 
