@@ -70,7 +70,9 @@ def test_bench_runs_from_an_installed_wheel_with_every_planted_engine_and_no_noi
     assert run.stderr == "", run.stderr
     figures = json.loads(run.stdout)
     assert isinstance(figures["planted"], list), figures["planted"]  # not "skipped: cannot import …"
-    assert len(figures["planted"]) == 19
+    from shardkit._planted import PLANTED
+
+    assert [row["engine"] for row in figures["planted"]] == [engine.__name__ for engine in PLANTED]
     assert str(figures["engines"]["llama.cpp"]).startswith("skipped")  # no llama extra here
     assert str(figures["out_of_process"]).startswith("skipped")  # no grpc extra here
     where = _run([str(installed / "python"), "-c", "import shardkit; print(shardkit.__file__)"], tmp_path, env)
