@@ -51,6 +51,7 @@ BELOW_THE_TRANSPORT = ("shardkit._core", "shardkit.contract", "shardkit.errors",
 #: What those may never reach.
 ABOVE_THE_CORE = (
     "shardkit._transport",
+    "shardkit._parallel",
     "shardkit._machine",
     "shardkit._run",
     "shardkit._cli",
@@ -58,7 +59,13 @@ ABOVE_THE_CORE = (
     "shardkit.remote",
 )
 #: What the transport may never reach.
-ABOVE_THE_TRANSPORT = ("shardkit._machine", "shardkit._run", "shardkit._cli", "shardkit.pytest_plugin")
+ABOVE_THE_TRANSPORT = (
+    "shardkit._parallel",
+    "shardkit._machine",
+    "shardkit._run",
+    "shardkit._cli",
+    "shardkit.pytest_plugin",
+)
 
 #: Module-level values that are mutable however they are used.
 MUTABLE_CALLS = frozenset({"dict", "list", "set", "Counter", "defaultdict", "deque", "OrderedDict"})
