@@ -347,6 +347,15 @@ def test_a_fault_the_engine_cannot_take_exits_2_with_one_line(
     )
     line = assert_usage_error(*run(capsys, "fuzz", target, "--faults", "memory_pressure", *SMALL, "--out", tmp_path))
     assert "memory_pressure" in line
+    # Every kind (the default): the ones the engine cannot take are left out, and the summary says so.
+    code, out, _ = run(capsys, "fuzz", target, "--seed", "1", *SMALL, "--out", tmp_path)
+    assert code == 0
+    assert "faults: crash, delay, malformed_output\n" in out
+    assert re.search(
+        r"not checked in (\d+) of \1 examples: the memory_pressure fault \(docs/contract.md#fault-memory-pressure\): "
+        r"not in the engine's supported_faults and not injectable at its boundary\n",
+        out,
+    ), out
 
 
 # --- python -m shardkit -----------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
-from shardkit._core.checks import HistoryMemo, metrics_text
+from shardkit._core.checks import HistoryMemo, Payload, metrics_text
 from shardkit._core.fault_steps import FaultSteps, usable_faults
 from shardkit._core.faults import FaultInjectingEngine
 from shardkit._core.model import Prediction, ReferenceModel
@@ -104,6 +104,7 @@ class Driver(FaultSteps):
         self.custom_ops: Mapping[str, CustomOp] = custom_ops or {}
         self.sleep = sleep
         self.memo = HistoryMemo()
+        self.served: dict[tuple[int, ...], tuple[str, Payload]] = {}
         self.split_twins = True
         self.records: list[StepRecord] = []
         self.notes: list[str] = []

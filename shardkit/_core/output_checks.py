@@ -38,9 +38,10 @@ T = TypeVar("T")
 
 #: Shown under the run's coverage, per example it happened in.
 LEAKY_RECOMPUTE = (
-    "the recompute twin (docs/contract.md#twin-oracle): the engine that recomputes each history answered "
-    "one differently, or failed, after serving other sessions, where a fresh engine did not (the engine's "
-    "answers depend on sessions it served before); the engine under test was judged on fresh engines' answers"
+    "outputs compared with the recompute twin before it was replaced (docs/contract.md#twin-oracle): that "
+    "instance of the engine, which recomputes each history, answered one differently, or failed, after serving "
+    "other sessions, where a fresh instance did not (the engine's answers depend on the sessions it served "
+    "before, so an earlier output could agree with it and still be wrong); fresh instances judged the rest"
 )
 
 
@@ -75,6 +76,9 @@ class OutputChecks(StepContext):
     caps: EngineCapabilities
     model: ReferenceModel
     memo: HistoryMemo
+    #: Each history the engine under test answered and passed on, with where and what:
+    #: an answer that belongs to another history points at where state carried over from.
+    served: dict[tuple[int, ...], tuple[str, Payload]]
     twins: dict[str, TwinSession]
     one_shot: OneShotTwin | None
     split_twins: bool
@@ -149,6 +153,8 @@ class OutputChecks(StepContext):
                 failure = self._judge(history[:end], payload, self._answers_again(history[:end]), strict=strict)
             if failure is not None:
                 return [failure], unreferenced
+            where = f"session {request.session_id!r}, epoch {request.epoch}, step {request.step}"
+            self.served.setdefault(history[:end], (where, payload))
         if followed is not None:
             # After the engine under test is judged: a wrong recompute is blamed there, with every path.
             self._asking_twins(partial(followed.compose, history, self.memo, self._answers_again))
@@ -184,7 +190,8 @@ class OutputChecks(StepContext):
             difference = differences[0]
             ways = listed(ORACLE_PATHS[path] for path, _ in answers)
             observed = show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}"
-            return Fail("§3 determinism", f"{show(expected)} {after}, as {twins} gave by {ways}", observed)
+            expected_text = f"{show(expected)} {after}, as {twins} gave by {ways}"
+            return Fail("§3 determinism", expected_text, observed, self._carried_from(history, payload))
         each = paths_text(references)
         if self.differential:
             what = f"its paths disagree {after}: {each}"
@@ -200,6 +207,17 @@ class OutputChecks(StepContext):
             f"the engine's own paths disagree: {each}; the engine under test gave {show(payload)} ({twins})",
             detail,
         )
+
+    def _carried_from(self, history: tuple[int, ...], payload: Payload) -> str:
+        """Where the engine gave ``payload`` before, for another history: the most recent
+        such answer, or "" (a token may match by chance; a row of floats does not)."""
+        tolerance = self.caps.tolerance
+        for other, (where, answer) in reversed(self.served.items()):
+            if other != history and payload_difference(answer, payload, tolerance) is None:
+                vocabulary = self.caps.vocab_size
+                chance = f" (unless by chance: one token in {vocabulary})" if isinstance(payload, tuple) else ""
+                return f"the engine answered {show(payload)} to history {list(other)} before ({where}): state carried over from there{chance}"
+        return ""
 
     @property
     def _twin_layers(self) -> str:
@@ -221,7 +239,10 @@ class OutputChecks(StepContext):
 
     def _leaky_recompute(self, what: str) -> None:
         self.caveats.add(LEAKY_RECOMPUTE)
-        self.notes.append(f"step {self._step[0]}: {what}, having served other sessions; a fresh engine took over")
+        self.notes.append(
+            f"step {self._step[0]}: {what}. That twin is an instance of the engine under test that had served "
+            f"other sessions: its answers depend on them too; fresh instances judge the engine from here on"
+        )
 
     def _answers_again(self, history: tuple[int, ...]) -> Mapping[str, Payload]:
         """Every path's answer for ``history``, each from an engine loaded for it alone: what

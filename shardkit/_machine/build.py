@@ -159,7 +159,7 @@ class _Setup:
     takes. Made on first use, so building a machine (importing a test module) builds no
     engine and starts no process; an option the engine cannot honour is reported then."""
 
-    PREPARED = ("target", "reference", "total_layers", "roles", "fault_kinds")
+    PREPARED = ("target", "reference", "total_layers", "roles", "fault_kinds", "skipped_faults")
 
     def __init__(
         self,
@@ -192,7 +192,9 @@ class _Setup:
             worker_memory_mb=self.worker_memory_mb,
         )
         try:
-            caps, loadable, fault_kinds = _checked_options(target, self.role, self.faults, self.twins, self.reference)
+            caps, loadable, fault_kinds, skipped = _checked_options(
+                target, self.role, self.faults, self.twins, self.reference
+            )
             reference = resolve_target(self.reference) if self.reference is not None else None
         except BaseException:
             if target.isolation is not None and target is not self.target_or_factory:
@@ -205,6 +207,7 @@ class _Setup:
                 "total_layers": caps.total_layers,
                 "roles": loadable,
                 "fault_kinds": fault_kinds,
+                "skipped_faults": skipped,
             }
         )
 
@@ -225,9 +228,10 @@ def _checked_options(
     faults: bool | str | Iterable[str],
     twins: bool,
     reference: object,
-) -> tuple[EngineCapabilities, tuple[Role, ...], frozenset[str]]:
-    """The engine's capabilities, the roles it loads and the fault kinds to inject;
-    ``ShardkitError`` for options this engine cannot honour."""
+) -> tuple[EngineCapabilities, tuple[Role, ...], frozenset[str], Mapping[str, str]]:
+    """The engine's capabilities, the roles it loads, the fault kinds to inject and those of
+    every kind (``--faults all``) left out, each with why; ``ShardkitError`` for options this
+    engine cannot honour."""
     probe = target()
     caps = target.guarded("capabilities()", probe.capabilities)
     loadable = loadable_roles(target, caps.total_layers)
@@ -247,4 +251,7 @@ def _checked_options(
             f"{sorted(caps.supported_faults)} and not injectable at its boundary"
         )
         raise ShardkitError(message)
-    return caps, loadable, native | boundary
+    skipped = {kind: "not in the engine's supported_faults and not injectable at its boundary" for kind in unusable}
+    if everything and not twins:
+        skipped["malformed_output"] = "an injected wrong output is detected by the twin oracle, off (--no-twins)"
+    return caps, loadable, native | boundary, MappingProxyType(skipped)

@@ -203,10 +203,12 @@ def _move_to_front(
         improved = False
         for index in range(1, len(choices)):
             candidate = [choices[index], *choices[:index], *choices[index + 1 :]]
-            if failing_length(candidate) is None:
-                continue
-            candidate = lower(candidate)
             length = failing_length(candidate)
+            if length is None:
+                continue
+            lowered = lower(candidate)
+            if lowered != candidate:
+                candidate, length = lowered, failing_length(lowered)
             if length is not None and length < current:
                 choices, current, improved = candidate, length, True
                 break

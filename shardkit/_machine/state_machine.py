@@ -258,6 +258,8 @@ class ShardMachine(RuleBasedStateMachine):
     target: ClassVar[ResolvedTarget]
     role: ClassVar[Role | None] = None
     fault_kinds: ClassVar[frozenset[str]] = frozenset()
+    #: Kinds of ``--faults all`` the engine cannot take, each with why (the summary says so).
+    skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
     use_twins: ClassVar[bool] = True
     reference: ClassVar[ResolvedTarget | None] = None
     model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel

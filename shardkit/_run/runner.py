@@ -26,6 +26,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit._core.driver import StepFailed
+from shardkit._core.properties import LABEL_ANCHORS
 from shardkit._core.targets import EngineFactory, ResolvedTarget
 from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
@@ -156,6 +157,9 @@ def run_machine(
             interrupted = minimized is None
     failure = minimized.report if minimized is not None else stats.failure
     examples, steps = before_shrinking if first_failure else (stats.examples, stats.steps)
+    caveats = caveats_before_shrinking if first_failure else stats.caveats
+    for kind, why in machine.skipped_faults.items():
+        caveats[f"the {kind} fault (docs/contract.md#{LABEL_ANCHORS['§4 ' + kind]}): {why}"] = examples
     result = FuzzResult(
         target=machine.target.name,
         seed=seed,
@@ -166,7 +170,7 @@ def run_machine(
         # until the first failure (shrinking replays variants of it, it explores nothing).
         coverage=coverage_before_shrinking if first_failure else stats.coverage,
         failure=failure,
-        caveats=caveats_before_shrinking if first_failure else stats.caveats,
+        caveats=caveats,
         hypothesis_output=captured.getvalue(),
         faults=machine.fault_kinds,
         hypothesis_failure=stats.failure,

@@ -109,7 +109,7 @@ def _untrusted(trace: Trace, role: str, name: str, where: str) -> UntrustedTarge
         fixes += ", or replay against an engine you name with --engine TARGET (target=...)"
     message = (
         f"{trace.path} names the {_ROLE_WORDS[role]} {name!r}, whose code is {where}; replay builds recorded "
-        f"code only from inside the current project ({_project()}) unless you choose it: {fixes}"
+        f"code only from inside the current project (the current folder's tree, {_project()}) unless you choose it: {fixes}"
     )
     return UntrustedTarget(message)
 
