@@ -187,20 +187,41 @@ class Driver(FaultSteps):
             known = sorted([*self._HANDLERS, *self.custom_ops])
             message = f"unknown step op {action.op!r}; known: {known}"
             raise ValueError(message)
+        if custom is not None:
+            return self._execute(action, lambda action: self._run_custom(action, custom), custom=True)
+        assert handler is not None
+        return self._execute(action, lambda action: handler(self, action))
+
+    def execute_answered(self, action: Action, answer: StepResult | StructuredStatus) -> StepRecord:
+        """Judge ``answer`` as the engine's answer to ``action``, a call made earlier (one of a
+        parallel phase, taken in the order that explains the phase). The model advances and
+        the status and an OK output are checked as ``execute`` checks them; the metrics are
+        not: the phase compares them once, after every lane."""
+        if action.op in ("prefill", "decode") and isinstance(answer, StepResult):
+            return self._execute(action, lambda action: self._judge_step(action, answer), metrics=False)
+        if action.op in ("cancel", "release") and isinstance(answer, StructuredStatus):
+            return self._execute(action, lambda action: self._judge_status(action, answer), metrics=False)
+        message = f"no {action.op} step answers a {type(answer).__name__}"
+        raise ValueError(message)
+
+    def _execute(
+        self,
+        action: Action,
+        run: Callable[[Action], tuple[str, str, str]],
+        *,
+        custom: bool = False,
+        metrics: bool = True,
+    ) -> StepRecord:
         index = len(self.records) + 1
-        if custom is None:
+        if not custom:
             # The note says what the step meets now: a shrunk or edited sequence never keeps
             # the note of a situation the deleted steps had set up.
             session = self.model.sessions.get(str(action.args.get("session", "")))
             action = replace(action, note=step_note(action, session))
         self._step = (index, action)
         try:
-            if custom is not None:
-                expected, observed, outcome = self._run_custom(action, custom)
-            else:
-                assert handler is not None
-                expected, observed, outcome = handler(self, action)
-            if action.op not in ("unloaded", "health") and outcome != CRASHED:
+            expected, observed, outcome = run(action)
+            if metrics and action.op not in ("unloaded", "health") and outcome != CRASHED:
                 self._check_metrics()
         except Fail as fail:
             record = StepRecord(index, action, fail.expected, fail.observed, "FAILED")
@@ -306,6 +327,35 @@ class Driver(FaultSteps):
             if not armed or original is not None:
                 log.tainted.discard(key)  # a key used again (after a release) starts clean
         return str(predicted), observed, answer.status.code.name
+
+    def _judge_step(self, action: Action, answer: StepResult) -> tuple[str, str, str]:
+        """A prefill or decode that was answered already, with no fault armed."""
+        request = build_request(action, self.caps)
+        predicted = self.model.prefill(request) if isinstance(request, PrefillRequest) else self.model.decode(request)
+        log = self.log(request.session_id)
+        log.sent.append(action)
+        observed = status_text(answer.status, answer.cache)
+        actual = (answer.status.code, answer.status.retryable, answer.cache)
+        if actual != (predicted.code, predicted.retryable, predicted.cache):
+            raise Fail(f"§2 {predicted.rule}", str(predicted), observed)
+        if not answer.status.ok:
+            if answer.output is not None:
+                raise Fail("§3 shape and range", str(predicted), f"{observed} carrying an output {answer.output!r}")
+            return str(predicted), observed, answer.status.code.name
+        self._raise_first(self._output_problems(request, predicted, answer, log, strict=False)[0])
+        if not predicted.is_retry:
+            log.results[request.epoch, request.step] = answer
+            log.tainted.discard((request.epoch, request.step))
+        return str(predicted), observed, answer.status.code.name
+
+    def _judge_status(self, action: Action, status: StructuredStatus) -> tuple[str, str, str]:
+        """A cancel or release that was answered already."""
+        session_id = str(action.args["session"])
+        if action.op == "cancel":
+            return self._compare_status(self.model.cancel(session_id, int(action.args["epoch"])), status)
+        if status.ok:
+            self.twins.pop(session_id, None)
+        return self._compare_status(self.model.release(session_id), status)
 
     @staticmethod
     def _raise_first(problems: list[Fail]) -> None:

@@ -62,6 +62,16 @@ class FaultSteps(OutputChecks):
         ) -> T | None: ...
 
     @property
+    def armed_fault(self) -> str | None:
+        """The injected fault still waiting for the call it spoils (a crash or a malformed
+        output), or None."""
+        if self._crash_at is not None:
+            return f"a crash at call {self._crash_at}"
+        if self._malformed_armed:
+            return "a malformed_output"
+        return None
+
+    @property
     def injectable_faults(self) -> frozenset[str]:
         return self.native_faults | self.boundary_faults
 

@@ -1,0 +1,149 @@
+"""A parallel phase: lanes of steps sent to one engine at the same time, then judged.
+
+The phase calls the engine from one thread per lane, asks its metrics once every lane has
+finished, and searches an order of the calls that respects real time and that the
+reference model accepts, answer by answer, ending with those metrics. No such order is the
+failure ``§2 linearizability``. With one, the driver takes the calls in that order as if
+they had run one after another: the model advances and each OK output faces the twin
+oracle, exactly as a sequential step's.
+
+The phase ends the example: another order might explain the answers equally well and
+leave the model in another state, so nothing runs after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from shardkit._core.checks import metrics_text
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.outcomes import StepRecord, Violation, raised, status_text
+from shardkit._core.steps import Action, build_request
+from shardkit._core.targets import passes_through
+from shardkit._parallel.lanes import Raised, run_lanes
+from shardkit._parallel.linearize import Linearization, TimedStep, linearize
+from shardkit._parallel.observed import ObservedCall, apply_call, model_key
+from shardkit.contract import MetricsResult, PrefillRequest, StepResult, StructuredStatus
+
+__all__ = ["LINEARIZABILITY", "PARALLEL_OPS", "run_parallel"]
+
+LINEARIZABILITY = "§2 linearizability"
+#: The operations a lane may hold.
+PARALLEL_OPS = frozenset({"prefill", "decode", "cancel", "release"})
+
+
+def run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[StepRecord]:
+    """Run ``lanes`` at the same time on the driver's engine and judge what they answered;
+    ``StepFailed`` for the first problem. The records are the calls in the order found."""
+    for lane in lanes:
+        for action in lane:
+            if action.op not in PARALLEL_OPS:
+                message = f"a lane holds {action.op!r}; lanes hold {sorted(PARALLEL_OPS)}"
+                raise ValueError(message)
+    if driver.armed_fault is not None:
+        message = f"a parallel phase starts with no fault armed, and {driver.armed_fault} is"
+        raise ValueError(message)
+    ran = run_lanes([[_call(driver, action) for action in lane] for lane in lanes])
+    actions = {(timed.lane, timed.index): lanes[timed.lane][timed.index] for timed in ran}
+    calls = [_checked(driver, timed, actions) for timed in ran]
+    last = max((timed.ended for timed in calls), default=-1)
+    metrics = driver.raw_engine.metrics()
+    if not isinstance(metrics, MetricsResult):
+        _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", calls)
+    after = TimedStep(len(lanes), 0, last + 1, last + 2, ObservedCall("metrics", metrics))
+    found = linearize([*calls, after], driver.model, apply_call, model_key)
+    if found.unknown:
+        driver.caveats.add(
+            "a parallel phase (docs/contract.md#linearizability): the search for an order that explains "
+            f"it visited {found.explored} states without a verdict"
+        )
+        return []
+    if found.order is None:
+        _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), calls)
+    records = []
+    for timed in found.order:
+        if timed.lane == len(lanes):
+            continue  # the metrics after the lanes: the order already agrees with them
+        action = actions[timed.lane, timed.index]
+        answer = timed.step.answer
+        assert isinstance(answer, StepResult | StructuredStatus)
+        try:
+            records.append(driver.execute_answered(action, answer))
+        except StepFailed as failed:
+            order = ", ".join(step.name for step in found.order if step.lane < len(lanes))
+            context = f"{_lanes_text(calls, len(lanes))}\n  taken in the order {order}, which explains every status"
+            raise StepFailed(
+                Violation(failed.violation.property, f"{context}\n{failed.violation.message}"), failed.record
+            ) from None
+    return records
+
+
+def _call(driver: Driver, action: Action) -> Callable[[], ObservedCall]:
+    engine = driver.raw_engine
+    if action.op in ("prefill", "decode"):
+        request = build_request(action, driver.caps)
+        send = engine.prefill if isinstance(request, PrefillRequest) else engine.decode
+        return lambda: ObservedCall(action.op, send(request), request)  # type: ignore[arg-type]
+    session_id = str(action.args["session"])
+    if action.op == "cancel":
+        epoch = int(action.args["epoch"])
+        return lambda: ObservedCall("cancel", engine.cancel(session_id, epoch), session_id=session_id, epoch=epoch)
+    return lambda: ObservedCall("release", engine.release(session_id), session_id=session_id)
+
+
+def _checked(
+    driver: Driver, timed: TimedStep[ObservedCall | Raised[ObservedCall]], actions: dict[tuple[int, int], Action]
+) -> TimedStep[ObservedCall]:
+    """The call as answered, or the failure of a call that raised or answered the wrong type."""
+    outcome = timed.step
+    name = f"{timed.name} {actions[timed.lane, timed.index].describe()}"
+    if isinstance(outcome, Raised):
+        if passes_through(outcome.error):
+            raise outcome.error
+        driver_failure = f"{name} raised {raised(outcome.error)}"
+        _fail(driver, "unexplained exception", driver_failure, [])
+    assert isinstance(outcome, ObservedCall)
+    wanted = StepResult if outcome.request is not None else StructuredStatus
+    if not isinstance(outcome.answer, wanted):
+        _fail(driver, "§1 return type", f"{name} returned {outcome.answer!r}, not a {wanted.__name__}", [])
+    return TimedStep(timed.lane, timed.index, timed.started, timed.ended, outcome)
+
+
+def _fail(driver: Driver, prop: str, what: str, calls: list[TimedStep[ObservedCall]]) -> NoReturn:
+    lanes = max((timed.lane for timed in calls), default=-1) + 1
+    message = f"{_lanes_text(calls, lanes)}\n  {what}" if calls else f"  {what}"
+    record = StepRecord(len(driver.records) + 1, Action("parallel", {"lanes": lanes}), "", what, "FAILED")
+    driver.records.append(record)
+    raise StepFailed(Violation(prop, message), record)
+
+
+def _answer_text(call: ObservedCall) -> str:
+    answer = call.answer
+    if isinstance(answer, StepResult):
+        return status_text(answer.status, answer.cache)
+    if isinstance(answer, StructuredStatus):
+        return status_text(answer)
+    return metrics_text(answer)
+
+
+def _lanes_text(calls: list[TimedStep[ObservedCall]], lanes: int) -> str:
+    """The lanes side by side: each call with the ticks it started and ended at."""
+    rows = []
+    for lane in range(lanes):
+        for timed in sorted((timed for timed in calls if timed.lane == lane), key=lambda timed: timed.index):
+            call = timed.step
+            rows.append(f"  {timed.name} [{timed.started}-{timed.ended}] {call.describe()} → {_answer_text(call)}")
+    return f"parallel phase, {lanes} lanes at the same time (ticks of one clock: [started-ended]):\n" + "\n".join(rows)
+
+
+def _no_order(found: Linearization[ObservedCall], lanes: int) -> str:
+    closest = ", ".join(step.name for step in found.closest) or "nothing"
+    refused = "; ".join(
+        f"{'metrics after the lanes' if rejection.step.lane == lanes else rejection.step.name}: {rejection.why}"
+        for rejection in found.breaks
+    )
+    return (
+        f"no order of these calls explains their answers ({found.explored} states searched); "
+        f"the longest order that does, {closest}, cannot go on: {refused}"
+    )

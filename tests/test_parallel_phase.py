@@ -1,0 +1,194 @@
+"""The parallel phase on real engines: a thread-safe engine is never flagged, and races a
+sequential run cannot see are (a lost update of a counter, a shared scratch buffer that
+hands one session another's output). Each race opens its window with ``time.sleep(0)``,
+which gives up the interpreter as a real engine's I/O or native call would, so the race
+shows in most runs; a run counts how often."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from shardkit import DelegatingEngine, FakeShardEngine
+from shardkit._core.driver import Driver, StepFailed
+from shardkit._core.steps import Action, step_action
+from shardkit._parallel.phase import LINEARIZABILITY, run_parallel
+from shardkit._transport.resolve import resolve_target
+from shardkit.contract import (
+    DecodeRequest,
+    LoadRequest,
+    MetricsResult,
+    PrefillRequest,
+    StepResult,
+    StructuredStatus,
+    TokenOutput,
+)
+
+FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
+
+
+class LockedFake(DelegatingEngine[FakeShardEngine]):
+    """The fake behind one lock: every call whole, one at a time."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngine())
+        self.lock = threading.RLock()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        with self.lock:
+            return super().prefill(request)
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        with self.lock:
+            return super().decode(request)
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        with self.lock:
+            return super().cancel(session_id, epoch)
+
+    def release(self, session_id: str) -> StructuredStatus:
+        with self.lock:
+            return super().release(session_id)
+
+    def metrics(self) -> MetricsResult:
+        with self.lock:
+            return super().metrics()
+
+
+class DecodeCounterRaces(LockedFake):
+    """Counts decodes itself, outside the lock: read, yield, write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes = 0
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        seen = self.decodes
+        time.sleep(0)
+        self.decodes = seen + 1
+        return super().decode(request)
+
+    def metrics(self) -> MetricsResult:
+        counted = super().metrics()
+        return MetricsResult(counted.prefill_calls, self.decodes, counted.active_sessions, counted.kv_tokens)
+
+
+class SharedScratchToken(LockedFake):
+    """Writes each answer's token into one scratch slot shared by every session, yields, then
+    answers what the slot holds: another session's token when two decodes overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = 0
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = super().decode(request)
+        if not isinstance(result.output, TokenOutput):
+            return result
+        self.scratch = result.output.token_id
+        time.sleep(0)
+        return StepResult(result.status, result.cache, TokenOutput(self.scratch))
+
+
+def driver_with_sessions(engine: Any, sessions: str = "ab") -> Driver:
+    driver = Driver(resolve_target(engine), FULL)
+    for number, session in enumerate(sessions):
+        driver.execute(step_action("prefill", session, 0, 0, (number + 1, 2)))
+    return driver
+
+
+def decodes(session: str, tokens: tuple[int, ...]) -> list[Action]:
+    return [step_action("decode", session, 0, step, (token,)) for step, token in enumerate(tokens, start=1)]
+
+
+def test_a_thread_safe_engine_is_never_flagged() -> None:
+    rng = random.Random(1)
+    for _ in range(30):
+        driver = driver_with_sessions(LockedFake, "abc")
+        lanes = []
+        for lane in range(3):
+            session = "abc"[lane]
+            steps: list[Action] = decodes(session, tuple(rng.randrange(32) for _ in range(rng.randint(1, 4))))
+            if rng.random() < 0.5:
+                steps.insert(
+                    rng.randrange(len(steps) + 1), Action("cancel", {"session": "abc"[rng.randrange(3)], "epoch": 0})
+                )
+            if rng.random() < 0.3:
+                steps.append(Action("release", {"session": "abc"[rng.randrange(3)]}))
+            lanes.append(steps)
+        records = run_parallel(driver, lanes)
+        assert len(records) == sum(len(lane) for lane in lanes)
+
+
+def test_the_calls_are_judged_in_an_order_that_explains_them() -> None:
+    driver = driver_with_sessions(LockedFake)
+    records = run_parallel(driver, [decodes("a", (5, 6)), [Action("cancel", {"session": "a", "epoch": 0})]])
+    outcomes = {
+        record.action.describe().split("(")[0] + str(record.action.args.get("step", "")): record.outcome
+        for record in records
+    }
+    assert outcomes["cancel"] == "OK"
+    # Whatever the interleaving, a decode after the cancel was refused, and the model agrees.
+    assert set(outcomes.values()) <= {"OK", "CANCELLED"}
+    assert driver.model.sessions["a"].cancelled
+
+
+def racing_two_sessions(engine: Any, runs: int = 10) -> list[StepFailed]:
+    """The failures of ``runs`` phases of two lanes of decodes, one lane per session."""
+    failures = []
+    for _ in range(runs):
+        driver = driver_with_sessions(engine)
+        try:
+            run_parallel(driver, [decodes("a", (3, 4, 5)), decodes("b", (6, 7, 8))])
+        except StepFailed as failed:
+            failures.append(failed)
+    return failures
+
+
+def test_a_lost_update_of_the_decode_counter_is_not_linearizable() -> None:
+    failures = racing_two_sessions(DecodeCounterRaces)
+    assert len(failures) >= 5, f"the lost update showed in {len(failures)} of 10 runs"
+    for failed in failures:
+        assert failed.violation.property == LINEARIZABILITY
+        message = failed.violation.message
+        assert "parallel phase, 2 lanes at the same time" in message
+        assert "no order of these calls explains their answers" in message
+        assert "metrics after the lanes: metrics() answered" in message
+        assert "decode_calls=" in message
+
+
+def test_a_shared_scratch_buffer_hands_one_session_anothers_token() -> None:
+    failures = racing_two_sessions(SharedScratchToken)
+    assert len(failures) >= 5, f"the scratch race showed in {len(failures)} of 10 runs"
+    for failed in failures:
+        assert failed.violation.property == "§3 determinism"
+        message = failed.violation.message
+        assert "taken in the order" in message
+        assert "which explains every status" in message
+        assert "expected: token" in message
+
+
+def test_an_exception_in_a_lane_names_the_call() -> None:
+    class Raises(LockedFake):
+        def release(self, session_id: str) -> StructuredStatus:
+            if session_id == "b":
+                raise KeyError(session_id)
+            return super().release(session_id)
+
+    driver = driver_with_sessions(Raises)
+    with pytest.raises(StepFailed) as failed:
+        run_parallel(driver, [decodes("a", (3,)), [Action("release", {"session": "b"})]])
+    assert failed.value.violation.property == "unexplained exception"
+    assert "B1 release(session='b') raised KeyError: 'b'" in failed.value.violation.message
+
+
+def test_a_phase_refuses_to_start_with_a_fault_armed() -> None:
+    driver = Driver(resolve_target(LockedFake), FULL, faults=frozenset({"crash"}))
+    driver.execute(step_action("prefill", "a", 0, 0, (1,)))
+    driver.execute(Action("fault", {"kind": "crash", "value": 2.0}))
+    with pytest.raises(ValueError, match="no fault armed, and a crash at call"):
+        run_parallel(driver, [decodes("a", (3,))])
