@@ -9,14 +9,17 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+from hypothesis import settings
 
 from shardkit import DelegatingEngine, FakeShardEngine
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
+from shardkit._machine.build import build_machine
 from shardkit._parallel.phase import LINEARIZABILITY, run_parallel
+from shardkit._run.runner import run_machine
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     DecodeRequest,
@@ -27,6 +30,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
+from shardkit.errors import UsageError
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 
@@ -192,3 +196,45 @@ def test_a_phase_refuses_to_start_with_a_fault_armed() -> None:
     driver.execute(Action("fault", {"kind": "crash", "value": 2.0}))
     with pytest.raises(ValueError, match="no fault armed, and a crash at call"):
         run_parallel(driver, [decodes("a", (3,))])
+
+
+# --- the phase drawn by a machine --------------------------------------------------------
+
+
+def fuzz_with_lanes(engine: Any, seed: int, examples: int) -> Any:
+    """A run of a machine with two lanes (not minimised: replay does not repeat a phase yet)."""
+    machine = build_machine(engine, faults="none", concurrency=2)
+    run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
+    return run_machine(machine, run_settings, seed=seed, out=None, minimize=False)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_machine_with_lanes_finds_the_lost_update(seed: int) -> None:
+    result = fuzz_with_lanes(DecodeCounterRaces, seed, 300)
+    assert result.failure is not None, f"not found in {result.examples} examples at seed {seed}"
+    assert result.failure.violation.property == LINEARIZABILITY
+    assert result.coverage[("parallel", "FAILED")] == 1
+
+
+class RecordsItsCallers(LockedFake):
+    """Remembers the threads that decoded on it, in a set shared by every instance."""
+
+    callers: ClassVar[set[str]] = set()
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        self.callers.add(threading.current_thread().name)
+        return super().decode(request)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_machine_with_lanes_never_flags_a_thread_safe_engine(seed: int) -> None:
+    RecordsItsCallers.callers.clear()
+    result = fuzz_with_lanes(RecordsItsCallers, seed, 100)
+    assert result.failure is None, result.failure.violation.message if result.failure else ""
+    assert {"shardkit-lane-0", "shardkit-lane-1"} <= RecordsItsCallers.callers  # the lanes did run
+
+
+def test_a_machine_refuses_a_concurrency_it_cannot_run() -> None:
+    for bad in (0, 4, 2.0, "2"):
+        with pytest.raises(UsageError, match=f"concurrency must be a whole number of lanes from 1 to 3, got {bad!r}"):
+            build_machine(LockedFake, concurrency=bad)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from typing import Any
 from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name
+from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
 from shardkit._machine.state_machine import ShardMachine, SuiteRunner, inject_fault, layer_range
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
@@ -78,6 +79,7 @@ def build_machine(
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
     suite_runner: SuiteRunner | None = None,
+    concurrency: int = 1,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -89,8 +91,13 @@ def build_machine(
     ``model_factory`` of ``base``; see docs/extending.md). ``isolate`` runs every engine in
     a child process (see ``--isolate`` in docs/remote.md), whose calls get
     ``step_timeout`` seconds each and whose memory ``worker_memory_mb`` limits;
-    ``step_timeout`` also applies to a remote target.
+    ``step_timeout`` also applies to a remote target. ``concurrency`` of 2 or 3 adds a
+    parallel phase of that many lanes (``shardkit._machine.parallel_rules``), which ends
+    each example that draws it.
     """
+    if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
+        message = f"concurrency must be a whole number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
+        raise UsageError(message)
     if role == "any":
         role = None
     if role is not None and role not in ROLES:
@@ -119,6 +126,8 @@ def build_machine(
         **{name: _Prepared(name) for name in _Setup.PREPARED},
         **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
         **({"inject_fault": inject_fault} if wanted else {}),
+        **(parallel_rules(concurrency) if concurrency > 1 else {}),
+        "concurrency": concurrency,
     }
     engine_name = re.sub(r"\W+", "_", short_name(_target_name(target_or_factory))).strip("_")
     class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"

@@ -34,6 +34,7 @@ from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformati
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
+from shardkit._parallel.phase import run_parallel
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
 from shardkit.errors import UsageError
 
@@ -135,6 +136,8 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
     def decorate(function: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(function)
         def record_then_run(self: ShardMachine, **arguments: int) -> None:
+            if self.phase_ran:
+                return  # a parallel phase ends the example (shardkit._parallel.phase)
             self.choices.append(Choice(function.__name__, tuple(arguments.items())))
             function(self, **arguments)
 
@@ -258,6 +261,8 @@ class ShardMachine(RuleBasedStateMachine):
     target: ClassVar[ResolvedTarget]
     role: ClassVar[Role | None] = None
     fault_kinds: ClassVar[frozenset[str]] = frozenset()
+    #: Lanes of the parallel phase (1: none; see shardkit._machine.parallel_rules).
+    concurrency: ClassVar[int] = 1
     #: Kinds of ``--faults all`` the engine cannot take, each with why (the summary says so).
     skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
     use_twins: ClassVar[bool] = True
@@ -307,6 +312,8 @@ class ShardMachine(RuleBasedStateMachine):
         self.layout = layout
         self.id_pool = id_pool
         self.choices: list[Choice] = []
+        self.lanes: list[list[Action]] = [[] for _ in range(self.concurrency)]
+        self.phase_ran = False
         roles = self.roles if self.role is None else (self.role,)
         role = roles[layout % len(roles)]
         start, end = layer_range(role, self.total_layers, layout // len(roles))
@@ -407,25 +414,7 @@ class ShardMachine(RuleBasedStateMachine):
         try:
             record = self.driver.execute(action)
         except StepFailed as failure:
-            self._count_caveats(stats)
-            if stats.only_property is not None and failure.violation.property != stats.only_property:
-                reject()
-            stats.coverage[(coverage_op(action), "FAILED")] += 1
-            stats.failure = FailureReport(
-                failure.violation,
-                list(self.driver.records),
-                self.driver.load_request,
-                self.fault_kinds,
-                self.layout,
-                self.id_pool,
-                tuple(self.choices),
-                tuple(self.driver.notes),
-            )
-            stats.failures_seen += 1
-            if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
-                stats.shortest = stats.failure
-            if stats.on_failure is not None:
-                stats.on_failure(stats.failure)
+            self._report_failure(failure, coverage_op(action))
             raise
         self._count_caveats(stats)
         stats.coverage[(coverage_op(action), record.outcome)] += 1
@@ -435,6 +424,45 @@ class ShardMachine(RuleBasedStateMachine):
         if currently_in_test_context():
             event(f"{coverage_op(action)}→{record.outcome}")
         return record
+
+    def run_phase(self, lanes: list[list[Action]]) -> list[StepRecord]:
+        """Run ``lanes`` at the same time (``shardkit._parallel.phase``); nothing runs after."""
+        stats = self.stats
+        self.phase_ran = True
+        stats.steps += sum(len(lane) for lane in lanes)
+        try:
+            records = run_parallel(self.driver, lanes)
+        except StepFailed as failure:
+            self._report_failure(failure, "parallel")
+            raise
+        self._count_caveats(stats)
+        for record in records:
+            stats.coverage[(coverage_op(record.action), record.outcome)] += 1
+            self._remember(record.action, record.outcome)
+        return records
+
+    def _report_failure(self, failure: StepFailed, operation: str) -> None:
+        """Count the failing step and keep the example's report (``stats.failure``)."""
+        stats = self.stats
+        self._count_caveats(stats)
+        if stats.only_property is not None and failure.violation.property != stats.only_property:
+            reject()
+        stats.coverage[(operation, "FAILED")] += 1
+        stats.failure = FailureReport(
+            failure.violation,
+            list(self.driver.records),
+            self.driver.load_request,
+            self.fault_kinds,
+            self.layout,
+            self.id_pool,
+            tuple(self.choices),
+            tuple(self.driver.notes),
+        )
+        stats.failures_seen += 1
+        if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
+            stats.shortest = stats.failure
+        if stats.on_failure is not None:
+            stats.on_failure(stats.failure)
 
     def session_id(self, choice: int) -> str:
         """Choices 0-5 pick a live session (0 is the oldest), 6 and up an id the engine does
