@@ -296,13 +296,8 @@ class Driver(FaultSteps):
         # output in ``result``, and the engine is judged on what it returned, not on that.
         original = self._boundary_original()
         answer = original if original is not None else result
-        observed = status_text(answer.status, answer.cache)
-        actual = (answer.status.code, answer.status.retryable, answer.cache)
-        if actual != (predicted.code, predicted.retryable, predicted.cache):
-            raise Fail(f"§2 {predicted.rule}", str(predicted), observed)
+        observed = self._step_status(predicted, answer)
         if not answer.status.ok:
-            if answer.output is not None:
-                raise Fail("§3 shape and range", str(predicted), f"{observed} carrying an output {answer.output!r}")
             return str(predicted), observed, answer.status.code.name
         key = (request.epoch, request.step)
         armed, self._malformed_armed = self._malformed_armed, False
@@ -334,13 +329,8 @@ class Driver(FaultSteps):
         predicted = self.model.prefill(request) if isinstance(request, PrefillRequest) else self.model.decode(request)
         log = self.log(request.session_id)
         log.sent.append(action)
-        observed = status_text(answer.status, answer.cache)
-        actual = (answer.status.code, answer.status.retryable, answer.cache)
-        if actual != (predicted.code, predicted.retryable, predicted.cache):
-            raise Fail(f"§2 {predicted.rule}", str(predicted), observed)
+        observed = self._step_status(predicted, answer)
         if not answer.status.ok:
-            if answer.output is not None:
-                raise Fail("§3 shape and range", str(predicted), f"{observed} carrying an output {answer.output!r}")
             return str(predicted), observed, answer.status.code.name
         self._raise_first(self._output_problems(request, predicted, answer, log, strict=False)[0])
         if not predicted.is_retry:
@@ -356,6 +346,18 @@ class Driver(FaultSteps):
         if status.ok:
             self.twins.pop(session_id, None)
         return self._compare_status(self.model.release(session_id), status)
+
+    @staticmethod
+    def _step_status(predicted: Prediction, answer: StepResult) -> str:
+        """The answer's status as the report shows it, once it is the one predicted (code,
+        retryable flag and cache result) and a refusal carries no output."""
+        observed = status_text(answer.status, answer.cache)
+        actual = (answer.status.code, answer.status.retryable, answer.cache)
+        if actual != (predicted.code, predicted.retryable, predicted.cache):
+            raise Fail(f"§2 {predicted.rule}", str(predicted), observed)
+        if not answer.status.ok and answer.output is not None:
+            raise Fail("§3 shape and range", str(predicted), f"{observed} carrying an output {answer.output!r}")
+        return observed
 
     @staticmethod
     def _raise_first(problems: list[Fail]) -> None:

@@ -26,6 +26,7 @@ LABEL_ANCHORS: Mapping[str, str] = MappingProxyType({
     "§2 release": "release",
     "§2 metrics": "metrics",
     "§2 health": "health",
+    "§2 linearizability": "linearizability",
     "§3 shape and range": "shape-and-range",
     "§3 determinism": "determinism",
     "§3 twin oracle": "twin-oracle",

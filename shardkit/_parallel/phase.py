@@ -22,7 +22,7 @@ from shardkit._core.outcomes import StepRecord, Violation, raised, status_text
 from shardkit._core.steps import Action, build_request
 from shardkit._core.targets import passes_through
 from shardkit._parallel.lanes import Raised, run_lanes
-from shardkit._parallel.linearize import Linearization, TimedStep, linearize
+from shardkit._parallel.linearize import DEFAULT_MAX_STATES, Linearization, TimedStep, linearize
 from shardkit._parallel.observed import ObservedCall, apply_call, model_key
 from shardkit.contract import MetricsResult, PrefillRequest, StepResult, StructuredStatus
 
@@ -48,15 +48,18 @@ def run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Step
     actions = {(timed.lane, timed.index): lanes[timed.lane][timed.index] for timed in ran}
     calls = [_checked(driver, timed, actions) for timed in ran]
     last = max((timed.ended for timed in calls), default=-1)
-    metrics = driver.raw_engine.metrics()
+    try:
+        metrics = driver.raw_engine.metrics()
+    except Exception as error:  # the engine's exception is a finding; the kit's own pass through
+        _fail(driver, "unexplained exception", f"metrics() after the lanes raised {raised(error)}", calls)
     if not isinstance(metrics, MetricsResult):
         _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", calls)
     after = TimedStep(len(lanes), 0, last + 1, last + 2, ObservedCall("metrics", metrics))
     found = linearize([*calls, after], driver.model, apply_call, model_key)
     if found.unknown:
         driver.caveats.add(
-            "a parallel phase (docs/contract.md#linearizability): the search for an order that explains "
-            f"it visited {found.explored} states without a verdict"
+            f"a parallel phase: the search for an order that explains it visited its {DEFAULT_MAX_STATES:,} "
+            "states without a verdict"
         )
         return []
     if found.order is None:
