@@ -198,7 +198,7 @@ class Driver(FaultSteps):
         the status and an OK output are checked as ``execute`` checks them; the metrics are
         not: the phase compares them once, after every lane."""
         if action.op in ("prefill", "decode") and isinstance(answer, StepResult):
-            return self._execute(action, lambda action: self._judge_step(action, answer), metrics=False)
+            return self._execute(action, lambda action: self._run_step(action, answer), metrics=False)
         if action.op in ("cancel", "release") and isinstance(answer, StructuredStatus):
             return self._execute(action, lambda action: self._judge_status(action, answer), metrics=False)
         message = f"no {action.op} step answers a {type(answer).__name__}"
@@ -282,19 +282,24 @@ class Driver(FaultSteps):
 
     # --- handlers, one per op ------------------------------------------------------------
 
-    def _run_step(self, action: Action) -> tuple[str, str, str]:
+    def _run_step(self, action: Action, answered: StepResult | None = None) -> tuple[str, str, str]:
+        """A prefill or decode: sent to the engine, or ``answered`` already (a call of a
+        parallel phase, which starts with no fault armed and calls the engine itself)."""
         request = build_request(action, self.caps)
         is_prefill = isinstance(request, PrefillRequest)
         predicted = self.model.prefill(request) if is_prefill else self.model.decode(request)  # type: ignore[arg-type]
         log = self.log(request.session_id)
         log.sent.append(action)
-        call_engine = self.engine.prefill if is_prefill else self.engine.decode
-        result = self._call(action.op, lambda: call_engine(request), StepResult)  # type: ignore[arg-type]
-        if result is None:
-            return str(predicted), "engine crashed (injected)", CRASHED
-        # The engine's own answer: a malformed_output injected at the boundary replaced its
-        # output in ``result``, and the engine is judged on what it returned, not on that.
-        original = self._boundary_original()
+        if answered is None:
+            call_engine = self.engine.prefill if is_prefill else self.engine.decode
+            result = self._call(action.op, lambda: call_engine(request), StepResult)  # type: ignore[arg-type]
+            if result is None:
+                return str(predicted), "engine crashed (injected)", CRASHED
+            # The engine's own answer: a malformed_output injected at the boundary replaced its
+            # output in ``result``, and the engine is judged on what it returned, not on that.
+            original = self._boundary_original()
+        else:
+            result, original = answered, None
         answer = original if original is not None else result
         observed = self._step_status(predicted, answer)
         if not answer.status.ok:
@@ -321,21 +326,6 @@ class Driver(FaultSteps):
             log.results[key] = answer
             if not armed or original is not None:
                 log.tainted.discard(key)  # a key used again (after a release) starts clean
-        return str(predicted), observed, answer.status.code.name
-
-    def _judge_step(self, action: Action, answer: StepResult) -> tuple[str, str, str]:
-        """A prefill or decode that was answered already, with no fault armed."""
-        request = build_request(action, self.caps)
-        predicted = self.model.prefill(request) if isinstance(request, PrefillRequest) else self.model.decode(request)
-        log = self.log(request.session_id)
-        log.sent.append(action)
-        observed = self._step_status(predicted, answer)
-        if not answer.status.ok:
-            return str(predicted), observed, answer.status.code.name
-        self._raise_first(self._output_problems(request, predicted, answer, log, strict=False)[0])
-        if not predicted.is_retry:
-            log.results[request.epoch, request.step] = answer
-            log.tainted.discard((request.epoch, request.step))
         return str(predicted), observed, answer.status.code.name
 
     def _judge_status(self, action: Action, status: StructuredStatus) -> tuple[str, str, str]:
