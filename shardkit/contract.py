@@ -228,6 +228,9 @@ class EngineCapabilities:
     max_kv_tokens: int
     supported_faults: frozenset[str]
     tolerance: float
+    #: The engine may be called from several threads at once (each call still whole: the
+    #: answers must be those of some order of the calls). ``--concurrency`` needs it.
+    concurrent_calls: bool = False
 
     def __post_init__(self) -> None:
         owner = "EngineCapabilities"
@@ -261,6 +264,7 @@ class EngineCapabilities:
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             message = f"{owner}.tolerance must be a finite float >= 0, got {self.tolerance!r}"
             raise ValueError(message)
+        _check_type(owner, "concurrent_calls", self.concurrent_calls, bool)
         _set(self, "tolerance", float(self.tolerance))
 
     @property

@@ -8,94 +8,34 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from typing import Any, ClassVar
 
 import pytest
 from hypothesis import settings
 
-from shardkit import DelegatingEngine, FakeShardEngine
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
 from shardkit._machine.build import build_machine
 from shardkit._parallel.phase import LINEARIZABILITY, run_parallel
+from shardkit._planted.base import DelegatingEngine as PlantedBase
+from shardkit._planted.racy import DecodeCounterLostUpdate, SharedScratchToken
 from shardkit._run.runner import run_machine
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     DecodeRequest,
     LoadRequest,
-    MetricsResult,
-    PrefillRequest,
     StepResult,
     StructuredStatus,
-    TokenOutput,
 )
 from shardkit.errors import UsageError
 
 FULL = LoadRequest("shardkit-fuzz", 0, 3, 4)
 
 
-class LockedFake(DelegatingEngine[FakeShardEngine]):
-    """The fake behind one lock: every call whole, one at a time."""
-
-    def __init__(self) -> None:
-        super().__init__(FakeShardEngine())
-        self.lock = threading.RLock()
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        with self.lock:
-            return super().prefill(request)
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        with self.lock:
-            return super().decode(request)
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        with self.lock:
-            return super().cancel(session_id, epoch)
-
-    def release(self, session_id: str) -> StructuredStatus:
-        with self.lock:
-            return super().release(session_id)
-
-    def metrics(self) -> MetricsResult:
-        with self.lock:
-            return super().metrics()
-
-
-class DecodeCounterRaces(LockedFake):
-    """Counts decodes itself, outside the lock: read, yield, write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.decodes = 0
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        seen = self.decodes
-        time.sleep(0)
-        self.decodes = seen + 1
-        return super().decode(request)
-
-    def metrics(self) -> MetricsResult:
-        counted = super().metrics()
-        return MetricsResult(counted.prefill_calls, self.decodes, counted.active_sessions, counted.kv_tokens)
-
-
-class SharedScratchToken(LockedFake):
-    """Writes each answer's token into one scratch slot shared by every session, yields, then
-    answers what the slot holds: another session's token when two decodes overlap."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scratch = 0
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        result = super().decode(request)
-        if not isinstance(result.output, TokenOutput):
-            return result
-        self.scratch = result.output.token_id
-        time.sleep(0)
-        return StepResult(result.status, result.cache, TokenOutput(self.scratch))
+#: The fake is thread-safe (every call whole, under its lock); the planted engines are
+#: not, each in one way (shardkit._planted.racy).
+LockedFake = PlantedBase
+DecodeCounterRaces = DecodeCounterLostUpdate
 
 
 def driver_with_sessions(engine: Any, sessions: str = "ab") -> Driver:
@@ -202,7 +142,7 @@ def test_a_phase_refuses_to_start_with_a_fault_armed() -> None:
 
 
 def fuzz_with_lanes(engine: Any, seed: int, examples: int) -> Any:
-    """A run of a machine with two lanes (not minimised: replay does not repeat a phase yet)."""
+    """A run of a machine with two lanes, not minimised (tests/test_parallel_repro.py minimises)."""
     machine = build_machine(engine, faults="none", concurrency=2)
     run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
     return run_machine(machine, run_settings, seed=seed, out=None, minimize=False)
@@ -236,5 +176,5 @@ def test_a_machine_with_lanes_never_flags_a_thread_safe_engine(seed: int) -> Non
 
 def test_a_machine_refuses_a_concurrency_it_cannot_run() -> None:
     for bad in (0, 4, 2.0, "2"):
-        with pytest.raises(UsageError, match=f"concurrency must be a whole number of lanes from 1 to 3, got {bad!r}"):
+        with pytest.raises(UsageError, match=f"concurrency must be a number of lanes from 1 to 3, got {bad!r}"):
             build_machine(LockedFake, concurrency=bad)  # type: ignore[arg-type]

@@ -25,9 +25,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 from shardkit._cli.parser import BENCH_PLANTED_SEEDS
 from shardkit._core.conformance import assert_shard_engine_contract
+from shardkit._core.steps import PARALLEL_OP
 from shardkit._machine.build import build_machine
+from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._planted.racy import RACY
 from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
@@ -266,6 +269,48 @@ def _planted_run(config: BenchSettings, module: Any, engine: Any, seed: int) -> 
     }
 
 
+def _concurrency(config: BenchSettings) -> dict[str, Any]:
+    """Throughput of the fake with lanes of calls at once (faults on), and (unless
+    ``--planted none``) how soon each racy planted engine is found with two lanes, how short
+    its failure came out and how many lane steps the failing phase kept."""
+    throughput = {}
+    for lanes in range(1, MAX_CONCURRENCY + 1):
+        result = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes)
+        throughput[str(lanes)] = {"steps_per_s": round(result.steps / result.elapsed_s, 1), "steps": result.steps}
+    racy: list[dict[str, Any]] = []
+    for engine in RACY if config.planted_module is not None else ():
+        runs = []
+        for seed in _planted_seeds(config):
+            started = time.perf_counter()
+            result = fuzz(
+                f"shardkit._planted.racy:{engine.__name__}",
+                seed=seed,
+                examples=config.examples,
+                steps=config.steps,
+                faults="none",
+                concurrency=2,
+            )
+            failure = result.failure
+            first_examples, first_seconds, _ = result.first_failure or (None, None, None)
+            last = failure.records[-1].action if failure is not None else None
+            runs.append(
+                {
+                    "seed": seed,
+                    "found": failure is not None and failure.violation.property in engine.PROPERTIES,
+                    "property": failure.violation.property if failure is not None else None,
+                    "examples_to_first_failure": first_examples,
+                    "seconds_to_first_failure": _rounded(first_seconds),
+                    "shrunk_length": _length(failure),
+                    "lane_steps": sum(len(lane) for lane in last.args["lanes"])
+                    if last is not None and last.op == PARALLEL_OP
+                    else None,
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            )
+        racy.append({"engine": engine.__name__, "race": engine.RACE, "runs": runs})
+    return {"steps_per_s_by_lanes": throughput, "racy": racy}
+
+
 def _length(failure: FailureReport | None) -> int | None:
     return len(failure.records) if failure is not None else None
 
@@ -317,6 +362,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
     engines = _engines(config)
     out_of_process = _out_of_process(config)
     planted = _planted(config)
+    concurrency = _concurrency(config)
     memory = _memory(config)
     full = throughput["full"]
     return {
@@ -331,6 +377,7 @@ def run_bench(config: BenchSettings) -> dict[str, Any]:
         "engines": engines,
         "out_of_process": out_of_process,
         "planted": planted,
+        "concurrency": concurrency,
         "memory": memory,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -398,6 +445,22 @@ def render(bench: dict[str, Any]) -> str:
                 f"{lengths:<24} {_cell(seconds):>6} {caught:>8}"
             )
         lines.append("  " + _planted_summary(planted))
+    concurrency = bench["concurrency"]
+    if isinstance(concurrency, str):
+        lines.append(f"concurrency: {concurrency}")
+    else:
+        rates = concurrency["steps_per_s_by_lanes"]
+        cells = ", ".join(f"{row['steps_per_s']:,.0f} with {lanes}" for lanes, row in rates.items())
+        lines.append(f"concurrency (fake, faults on): steps/s by lanes: {cells} (1: no lanes)")
+        lines.append("  racy engines, --concurrency 2 --faults none (examples to the first failure; shrunk steps/lane steps):")
+        for row in concurrency["racy"]:
+            runs = row["runs"]
+            cells = " ".join(
+                f"{run['examples_to_first_failure']}:{run['shrunk_length']}/{run['lane_steps']}" if run["found"] else "NO"
+                for run in runs
+            )
+            found = sum(run["found"] for run in runs)
+            lines.append(f"  {row['engine']:<30} {found}/{len(runs)}  {cells}")
     memory = bench["memory"]
     if isinstance(memory, str):
         lines.append(f"memory: {memory}")

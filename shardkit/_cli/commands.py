@@ -45,10 +45,22 @@ def replay_command(args: argparse.Namespace) -> int:
             args.worker_memory if args.worker_memory is not None else defaults.worker_memory_mb,
         )
     result = replay(
-        args.trace, target=engine, isolate=isolate, trust=args.trust, announce=lambda line: print(line, flush=True)
+        args.trace,
+        target=engine,
+        isolate=isolate,
+        trust=args.trust,
+        announce=lambda line: print(line, flush=True),
+        runs=args.runs,
     )
+    if result.runs > 1:
+        # A race shows on some runs only: the rate says how far to trust one clean run.
+        print(
+            f"the trace holds a parallel phase: {result.trace.failure.property} reproduced in "
+            f"{result.reproductions} of {result.runs} runs, each on a fresh engine"
+        )
     if result.failure is None:
-        print(f"did not reproduce: all {len(result.records)} steps matched the model")
+        runs = f" in any of {result.runs} runs" if result.runs > 1 else ""
+        print(f"did not reproduce{runs}: all {len(result.records)} steps matched the model")
         return EXIT_OK
     if not result.reproduced:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")

@@ -37,6 +37,7 @@ def fuzz_command(args: argparse.Namespace) -> int:
             isolate=args.isolate,
             step_timeout=args.step_timeout,
             worker_memory_mb=args.worker_memory,
+            concurrency=args.concurrency,
         )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.

@@ -45,6 +45,17 @@ def _bad_value(message: str) -> argparse.ArgumentError:
     return argparse.ArgumentError(None, message)
 
 
+def _lanes(text: str) -> int:
+    from shardkit._machine.parallel_rules import MAX_CONCURRENCY
+
+    if text not in [str(lanes) for lanes in range(1, MAX_CONCURRENCY + 1)]:
+        raise _bad_value(f"--concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {text!r}")
+    return int(text)
+
+
+_lanes.__name__ = "--concurrency"
+
+
 def _positive_int(name: str) -> type[int]:
     def parse(text: str) -> int:
         try:
@@ -133,7 +144,9 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: str 
 
 
 def build_parser() -> _Parser:
+    from shardkit._machine.parallel_rules import MAX_CONCURRENCY
     from shardkit._run.options import FuzzOptions
+    from shardkit._run.replay import DEFAULT_REPLAY_RUNS
 
     defaults = FuzzOptions()
     parser = _Parser(prog="shardkit", description="Property-based state-machine testing for LLM shard engines.")
@@ -166,6 +179,14 @@ def build_parser() -> _Parser:
         metavar="MODULE:CLASS",
         help="fuzz with this ShardMachine subclass: the rules and model extended for a backend (docs/extending.md)",
     )
+    fuzz.add_argument(
+        "--concurrency",
+        type=_lanes,
+        default=defaults.concurrency,
+        metavar="N",
+        help="end examples with N lanes of calls sent at the same time, checked for linearizability "
+        f"(1 to {MAX_CONCURRENCY}; default {defaults.concurrency}: none); the engine must declare concurrent_calls",
+    )
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
     _isolation_options(fuzz)
@@ -183,6 +204,12 @@ def build_parser() -> _Parser:
         action="store_true",
         help="build the code the trace names even where it is not inside the current folder "
         "(by default only shardkit's engines and code inside the project are built: a trace is data)",
+    )
+    replay.add_argument(
+        "--runs",
+        type=_positive_int("--runs"),
+        default=DEFAULT_REPLAY_RUNS,
+        help=f"runs of a trace that holds a parallel phase, each on a fresh engine, for the rate it reproduces at ({DEFAULT_REPLAY_RUNS}; other traces run once)",
     )
     _isolation_options(replay, replaying=True)
 

@@ -114,6 +114,21 @@ class Driver(FaultSteps):
         self._step: tuple[int, Action] = (0, Action("load", {}))
         self._start_engine()
 
+    def fresh(self) -> Driver:
+        """A driver like this one on a new engine from the same target, loaded with the same
+        request and at its first step: a parallel phase reruns on one (its races may show
+        on one run and not on the next)."""
+        return Driver(
+            self.target,
+            self.load_request,
+            faults=self.wanted_faults,
+            twins=self.use_twins,
+            reference=self.reference if self.differential else None,
+            model_factory=self.model_factory,
+            custom_ops=self.custom_ops,
+            sleep=self.sleep,
+        )
+
     # --- engine lifecycle ------------------------------------------------------------
 
     def _start_engine(self) -> None:

@@ -9,7 +9,7 @@ knows every history, and a trace never needs to store tensor bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -32,10 +32,12 @@ __all__ = [
     "BEFORE_LOAD_CALLS",
     "BUNDLE_MALFORMATIONS",
     "COMMON_MALFORMATIONS",
+    "PARALLEL_OP",
     "TOKEN_MALFORMATIONS",
     "Action",
     "build_request",
     "malformations_for",
+    "phase_action",
     "step_note",
     "synthetic_bundle",
     "synthetic_rows",
@@ -45,6 +47,8 @@ __all__ = [
 BEFORE_LOAD_CALLS = ("prefill", "decode", "cancel", "release", "health")
 
 STEP_OPS = ("prefill", "decode")
+#: The operation of a parallel phase held as one step (``phase_action``).
+PARALLEL_OP = "parallel"
 SHOWN_TOKENS = 8
 #: Values that make a residual non-finite; indexable by a small integer.
 NON_FINITE_VALUES = (float("nan"), float("inf"), float("-inf"))
@@ -59,13 +63,28 @@ class Action:
     note: str = ""
 
     def describe(self) -> str:
+        if self.op == PARALLEL_OP:
+            lanes = " | ".join(
+                f"L{lane}: {'; '.join(action.describe() for action in actions)}"
+                for lane, actions in enumerate(self.args["lanes"])
+            )
+            return f"{PARALLEL_OP}({lanes})"
         shown = ", ".join(f"{key}={_show(value)}" for key, value in self.args.items() if value is not None)
         note = f"  # {self.note}" if self.note else ""
         return f"{self.op}({shown}){note}"
 
     def to_json(self) -> dict[str, Any]:
+        if self.op == PARALLEL_OP:
+            lanes = [[action.to_json() for action in actions] for actions in self.args["lanes"]]
+            return {"op": self.op, "args": {"lanes": lanes}, "note": self.note}
         args = {key: list(value) if isinstance(value, tuple) else value for key, value in self.args.items()}
         return {"op": self.op, "args": args, "note": self.note}
+
+
+def phase_action(lanes: Sequence[Sequence[Action]]) -> Action:
+    """A parallel phase as one step: its lanes, each a list of steps sent one after another,
+    the lanes at the same time (``shardkit._parallel.phase`` runs it)."""
+    return Action(PARALLEL_OP, {"lanes": tuple(tuple(lane) for lane in lanes)})
 
 
 def _show(value: object) -> str:

@@ -96,7 +96,13 @@ def build_machine(
     each example that draws it.
     """
     if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
-        message = f"concurrency must be a whole number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
+        message = f"concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
+        raise UsageError(message)
+    if concurrency > 1 and isolate:
+        message = (
+            "concurrency and isolate cannot be combined yet: an isolated worker serves one call at a time; "
+            "fuzz the engine in-process or through shardkit serve (grpc:// or unix:) with --concurrency"
+        )
         raise UsageError(message)
     if role == "any":
         role = None
@@ -106,7 +112,9 @@ def build_machine(
     if model is None:
         model = base.model_factory  # an extended machine may bring its own model
     wanted = _wanted_faults(faults, twins, reference)
-    setup = _Setup(target_or_factory, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb)
+    setup = _Setup(
+        target_or_factory, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb, concurrency
+    )
     namespace: dict[str, Any] = {
         "build_options": {
             "role": role,
@@ -118,6 +126,7 @@ def build_machine(
             "isolate": isolate,
             "step_timeout": step_timeout,
             "worker_memory_mb": worker_memory_mb,
+            "concurrency": concurrency,
         },
         "setup": setup,
         "role": role,
@@ -180,10 +189,12 @@ class _Setup:
         isolate: bool | IsolationOptions,
         step_timeout: float | None,
         worker_memory_mb: int | None,
+        concurrency: int,
     ) -> None:
         self.target_or_factory, self.role, self.faults, self.twins = target_or_factory, role, faults, twins
         self.reference, self.isolate = reference, isolate
         self.step_timeout, self.worker_memory_mb = step_timeout, worker_memory_mb
+        self.concurrency = concurrency
         self._lock = threading.Lock()
         self._values: Mapping[str, Any] | None = None
 
@@ -204,6 +215,13 @@ class _Setup:
             caps, loadable, fault_kinds, skipped = _checked_options(
                 target, self.role, self.faults, self.twins, self.reference
             )
+            if self.concurrency > 1 and not caps.concurrent_calls:
+                message = (
+                    f"{target.name} does not declare concurrent_calls in its capabilities, so the kit will not "
+                    f"call it from {self.concurrency} threads at once; declare EngineCapabilities(concurrent_calls=True) "
+                    "once its calls are safe from several threads (docs/contract.md#linearizability), or drop concurrency"
+                )
+                raise ShardkitError(message)
             reference = resolve_target(self.reference) if self.reference is not None else None
         except BaseException:
             if target.isolation is not None and target is not self.target_or_factory:

@@ -10,7 +10,11 @@ made smaller while the *same* property is still violated:
    again (a fault injected first fails sooner) — re-deriving every concrete step
    from the model's state, so later steps renumber themselves;
 2. on the concrete steps themselves, the form a trace replays — delete runs
-   again, down to single steps, until no single deletion keeps the failure.
+   again, down to single steps, until no single deletion keeps the failure; a
+   parallel phase that ends the failure loses single steps of its lanes too.
+
+Steps that hold a parallel phase replay up to ``phase_runs`` times each (a race
+shows on some runs only), so their 1-minimality is up to that many runs.
 
 The result is 1-minimal under trace replay by construction, unless the replay
 budget ran out first (``MinimizedFailure.one_minimal`` says which).
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from shardkit._core.driver import Driver, StepFailed
-from shardkit._core.steps import Action
+from shardkit._core.steps import PARALLEL_OP, Action, phase_action
 from shardkit._machine.hypothesis_adapter import integer_range
 from shardkit._machine.state_machine import Choice, FailureReport, RunObserver, ShardMachine, observed
+from shardkit._parallel.runs import replay_runs
 
 __all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]
 
@@ -56,7 +61,8 @@ class _Budget:
 def replay_actions(
     machine: type[ShardMachine], failure: FailureReport, actions: Sequence[Action]
 ) -> FailureReport | None:
-    """Run ``actions`` on a fresh engine; the failure they end in, if any."""
+    """Run ``actions`` on a fresh engine; the failure they end in, if any. Steps that hold a
+    parallel phase run up to ``machine.phase_runs`` times, until one run fails."""
     driver = Driver(
         machine.target,
         failure.load_request,
@@ -66,14 +72,10 @@ def replay_actions(
         model_factory=machine.model_factory,
         custom_ops=machine.custom_ops,
     )
-    for action in actions:
-        try:
-            driver.execute(action)
-        except StepFailed as failed:
-            records = list(driver.records)
-            return FailureReport(
-                failed.violation, records, failure.load_request, failure.faults, notes=tuple(driver.notes)
-            )
+    for ran, failed in replay_runs(driver, actions, machine.phase_runs):
+        if failed is not None:
+            records = list(ran.records)
+            return FailureReport(failed.violation, records, failure.load_request, failure.faults, notes=tuple(ran.notes))
     return None
 
 
@@ -109,6 +111,30 @@ def _delete_runs(items: list[T], still_fails: Callable[[list[T]], bool], budget:
         if chunk == 1 and not changed:
             return items, True
         chunk = max(chunk // 2, 1)
+
+
+def _shrink_phase(
+    actions: list[Action], still_fails: Callable[[list[Action]], bool], budget: _Budget
+) -> tuple[list[Action], bool]:
+    """Delete single steps from the lanes of the phase that ends ``actions``, keeping every
+    other step in its lane (deleting a drawn lane step would move the later ones to other
+    lanes). Returns the smaller list and whether no single lane step can go."""
+    improved = True
+    while improved:
+        improved = False
+        lanes = [list(lane) for lane in actions[-1].args["lanes"]]
+        for lane, held in enumerate(lanes):
+            for index in range(len(held)):
+                if budget.exhausted:
+                    return actions, False
+                rest = [*lanes[:lane], held[:index] + held[index + 1 :], *lanes[lane + 1 :]]
+                candidate = [*actions[:-1], phase_action([kept for kept in rest if kept])]
+                if candidate[-1].args["lanes"] and still_fails(candidate):
+                    actions, improved = candidate, True
+                    break
+            if improved:
+                break
+    return actions, True
 
 
 def _lower_arguments(
@@ -256,5 +282,10 @@ def minimize_failure(
     one_minimal = False
     actions = [record.action for record in best.records]
     if actions_fail(actions):
-        _, one_minimal = _delete_runs(actions, actions_fail, budget)
+        actions, one_minimal = _delete_runs(actions, actions_fail, budget)
+        if actions[-1].op == PARALLEL_OP:
+            shrunk, lanes_minimal = _shrink_phase(actions, actions_fail, budget)
+            if shrunk != actions:
+                _, one_minimal = _delete_runs(shrunk, actions_fail, budget)
+            one_minimal = one_minimal and lanes_minimal
     return MinimizedFailure(best, budget.replays, time.monotonic() - started, one_minimal)

@@ -16,47 +16,100 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition
 
 from shardkit._core.steps import Action, step_action
-from shardkit._machine.state_machine import ShardMachine, step_rule
+from shardkit._machine.state_machine import LIVE_CHOICES, ShardMachine, step_rule
 
-__all__ = ["LANE_OPS", "MAX_CONCURRENCY", "parallel_rules"]
+__all__ = ["LANE_OPS", "MAX_CONCURRENCY", "lane_actions", "parallel_rules"]
 
-#: What a lane step does, simplest first.
-LANE_OPS = ("decode", "prefill", "cancel", "release")
+#: What a lane step does, simplest first: a decode, a two-token prefill (which opens an
+#: unknown id), the opening of an id no session holds (two lanes opening race for the
+#: last slots), a cancel at the session's epoch, a release, and a restart (a prefill of
+#: step 0 at the next epoch: the bump racing the session's other calls).
+LANE_OPS = ("decode", "prefill", "open", "cancel", "release", "restart")
+#: Op choices past ``LANE_OPS`` decode or open, in turn: most races between sessions live
+#: in two decodes that overlap or in two openings that race for the last slots.
+LANE_OP_CHOICES = 2 * len(LANE_OPS)
+_MORE_OFTEN = ("decode", "open")
 #: Lanes a machine may run at once: races need two, and three already make most orders.
 MAX_CONCURRENCY = 3
+
+
+def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int]]) -> list[Action]:
+    """The steps of ``lane`` from its drawn (op, session) pairs and the model's state.
+
+    ``session`` picks as ``session_id`` does, counted from the lane: choice 0 is the first
+    live session in lane 0 and the second in lane 1, so the simplest phase steps two
+    sessions (a race between sessions); two lanes step one session with choices one
+    apart. A prefill or decode takes the step after the session's last one in the model,
+    counting the steps this lane holds for it before (two lanes that step the same
+    session race for the same step)."""
+    actions: list[Action] = []
+    for op, choice in drawn:
+        name = LANE_OPS[op] if op < len(LANE_OPS) else _MORE_OFTEN[op % 2]
+        opening = name == "open"
+        sid = machine.session_id(LIVE_CHOICES + choice + lane) if opening else _lane_session(machine, lane, choice, name)
+        epoch, step = machine.position(sid)
+        step += sum(1 for action in actions if action.op in ("prefill", "decode") and action.args["session"] == sid)
+        if name == "decode":
+            action = step_action("decode", sid, epoch, step, (machine.token(step + lane),))
+        elif name == "prefill" or opening:
+            action = step_action("prefill", sid, epoch, step, machine.chunk(1, sid))
+        elif name == "restart":
+            known = sid in machine.driver.model.sessions
+            action = step_action("prefill", sid, epoch + known, 0, machine.chunk(1, sid, restarting=known))
+        elif name == "cancel":
+            action = Action("cancel", {"session": sid, "epoch": epoch})
+        else:
+            action = Action("release", {"session": sid})
+        actions.append(action)
+    return actions
+
+
+def _lane_session(machine: ShardMachine, lane: int, choice: int, op: str) -> str:
+    """A live session (a decode or prefill takes one that is not cancelled, when there is
+    one: a race lives between calls that are served), or an unknown id."""
+    sessions = machine.driver.model.sessions
+    live = list(sessions)
+    if op in ("decode", "prefill"):
+        live = [sid for sid in live if not sessions[sid].cancelled] or live
+    if live and choice < LIVE_CHOICES:
+        return live[(choice + lane) % len(live)]
+    return machine.session_id(choice + lane)
+
+
+def _add(machine: ShardMachine, lane: int, op: int, session: int) -> None:
+    lanes = machine.lanes
+    lanes[(sum(len(held) for held in lanes) + lane) % len(lanes)].append((op, session))
+
+
+def _ready(machine: ShardMachine) -> bool:
+    return sum(1 for lane in machine.lanes if lane) >= 2 and machine.driver.armed_fault is None
 
 
 def parallel_rules(concurrency: int) -> dict[str, Callable[..., Any]]:
     """The rules a machine of ``concurrency`` lanes adds, by name."""
 
-    @step_rule(lane=st.integers(0, concurrency - 1), op=st.integers(0, len(LANE_OPS) - 1), session=st.integers(0, 7))
+    @step_rule(lane=st.integers(0, concurrency - 1), op=st.integers(0, LANE_OP_CHOICES - 1), session=st.integers(0, 7))
     def lane_step(self: ShardMachine, lane: int, op: int, session: int) -> None:
-        """Add a step to a lane: a decode, a two-token prefill, a cancel at the session's
-        epoch or a release. ``lane`` 0 is the next lane in turn (so the simplest phase has
-        a step in every lane), 1 the one after. A prefill or decode takes the step after
-        the session's last one in the model, counting the steps this lane already holds
-        for it (two lanes that step the same session race for the same step)."""
-        lane = (sum(len(held) for held in self.lanes) + lane) % concurrency
-        sid = self.session_id(session)
-        epoch, step = self.position(sid)
-        name = LANE_OPS[op]
-        held = self.lanes[lane]
-        step += sum(1 for action in held if action.op in ("prefill", "decode") and action.args["session"] == sid)
-        if name == "decode":
-            action = step_action("decode", sid, epoch, step, (self.token(step + lane),))
-        elif name == "prefill":
-            action = step_action("prefill", sid, epoch, step, self.chunk(1, sid))
-        elif name == "cancel":
-            action = Action("cancel", {"session": sid, "epoch": epoch})
-        else:
-            action = Action("release", {"session": sid})
-        held.append(action)
+        """Add a step to a lane (``LANE_OPS``, and a decode or an opening for ``op`` past them); ``lane`` 0 is the next lane in turn (so the
+        simplest phase has a step in every lane), 1 the one after. The step is derived when
+        the phase starts (``lane_actions``), from the model's state then: the sequential
+        steps drawn in between would leave a step derived now stale."""
+        _add(self, lane, op, session)
 
-    @precondition(lambda self: sum(1 for lane in self.lanes if lane) >= 2)
+    @step_rule(lane=st.integers(0, concurrency - 1), session=st.integers(0, 7))
+    def lane_decode(self: ShardMachine, lane: int, session: int) -> None:
+        """``lane_step`` of a decode: a second rule that fills lanes, so that an example whose
+        swarm of rules leaves one of the two out still reaches a phase, and reaches it
+        holding the overlapping decodes most races between sessions live in."""
+        _add(self, lane, 0, session)
+
+    @precondition(_ready)
     @step_rule()
     def run_lanes(self: ShardMachine) -> None:
-        """Send every lane to the engine at the same time (two lanes hold steps at least):
-        the example's last steps."""
-        self.run_phase([list(lane) for lane in self.lanes])
+        """Send every lane to the engine at the same time (two lanes hold steps at least, and
+        no injected fault waits for a call: a lane's call would take it at random): the
+        example's last steps."""
+        if _ready(self):  # the minimiser replays rules without their preconditions
+            self.run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self.lanes)])
 
-    return {"lane_step": lane_step, "run_lanes": run_lanes}
+    return {"lane_step": lane_step, "lane_decode": lane_decode, "run_lanes": run_lanes}

@@ -30,11 +30,11 @@ from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Viol
 from shardkit._core.model import ReferenceModel, SessionState
 from shardkit._core.outcomes import CRASHED
 from shardkit._core.output_checks import flat_history
-from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformations_for, step_action
+from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformations_for, phase_action, step_action
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
-from shardkit._parallel.phase import run_parallel
+from shardkit._parallel.runs import PHASE_RUNS, replay_steps
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
 from shardkit.errors import UsageError
 
@@ -263,6 +263,8 @@ class ShardMachine(RuleBasedStateMachine):
     fault_kinds: ClassVar[frozenset[str]] = frozenset()
     #: Lanes of the parallel phase (1: none; see shardkit._machine.parallel_rules).
     concurrency: ClassVar[int] = 1
+    #: Runs of a parallel phase before it counts as passing (``run_phase``).
+    phase_runs: ClassVar[int] = PHASE_RUNS
     #: Kinds of ``--faults all`` the engine cannot take, each with why (the summary says so).
     skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
     use_twins: ClassVar[bool] = True
@@ -312,7 +314,8 @@ class ShardMachine(RuleBasedStateMachine):
         self.layout = layout
         self.id_pool = id_pool
         self.choices: list[Choice] = []
-        self.lanes: list[list[Action]] = [[] for _ in range(self.concurrency)]
+        #: Each lane's drawn (op, session) pairs (``shardkit._machine.parallel_rules``).
+        self.lanes: list[list[tuple[int, int]]] = [[] for _ in range(self.concurrency)]
         self.phase_ran = False
         roles = self.roles if self.role is None else (self.role,)
         role = roles[layout % len(roles)]
@@ -425,21 +428,25 @@ class ShardMachine(RuleBasedStateMachine):
             event(f"{coverage_op(action)}→{record.outcome}")
         return record
 
-    def run_phase(self, lanes: list[list[Action]]) -> list[StepRecord]:
-        """Run ``lanes`` at the same time (``shardkit._parallel.phase``); nothing runs after."""
+    def run_phase(self, lanes: list[list[Action]]) -> None:
+        """Run ``lanes`` at the same time (``shardkit._parallel.phase``) until a run fails, at
+        most ``phase_runs`` times: a race shows on some runs only. Each run after the first
+        is on a fresh engine that first replays this example's steps. Nothing runs after."""
         stats = self.stats
         self.phase_ran = True
-        stats.steps += sum(len(lane) for lane in lanes)
-        try:
-            records = run_parallel(self.driver, lanes)
-        except StepFailed as failure:
-            self._report_failure(failure, "parallel")
-            raise
-        self._count_caveats(stats)
-        for record in records:
-            stats.coverage[(coverage_op(record.action), record.outcome)] += 1
-            self._remember(record.action, record.outcome)
-        return records
+        prefix = [record.action for record in self.driver.records]
+        for run in range(self.phase_runs):
+            if run:
+                self.driver = self.driver.fresh()
+            steps = [*(prefix if run else ()), phase_action(lanes)]
+            stats.steps += (len(prefix) if run else 0) + sum(len(lane) for lane in lanes)
+            failed = replay_steps(self.driver, steps)
+            if failed is not None:
+                self._report_failure(failed, coverage_op(failed.record.action))
+                raise failed
+            self._count_caveats(stats)
+            for record in self.driver.records[len(prefix) :]:
+                stats.coverage[(coverage_op(record.action), record.outcome)] += 1
 
     def _report_failure(self, failure: StepFailed, operation: str) -> None:
         """Count the failing step and keep the example's report (``stats.failure``)."""

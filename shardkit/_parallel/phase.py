@@ -19,7 +19,7 @@ from typing import NoReturn
 from shardkit._core.checks import metrics_text
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.outcomes import StepRecord, Violation, raised, status_text
-from shardkit._core.steps import Action, build_request
+from shardkit._core.steps import PARALLEL_OP, Action, build_request, phase_action
 from shardkit._core.targets import passes_through
 from shardkit._parallel.lanes import Raised, run_lanes
 from shardkit._parallel.linearize import DEFAULT_MAX_STATES, Linearization, TimedStep, linearize
@@ -35,7 +35,21 @@ PARALLEL_OPS = frozenset({"prefill", "decode", "cancel", "release"})
 
 def run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[StepRecord]:
     """Run ``lanes`` at the same time on the driver's engine and judge what they answered;
-    ``StepFailed`` for the first problem. The records are the calls in the order found."""
+    ``StepFailed`` for the first problem. The records are the calls in the order found.
+
+    A failing phase leaves one record in the driver's, the phase itself
+    (``phase_action``): that is the step a trace replays, whatever order was being judged."""
+    start = len(driver.records)
+    try:
+        return _run_parallel(driver, lanes)
+    except StepFailed as failed:
+        del driver.records[start:]
+        record = StepRecord(start + 1, phase_action(lanes), failed.record.expected, failed.record.observed, "FAILED")
+        driver.records.append(record)
+        raise StepFailed(failed.violation, record) from None
+
+
+def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[StepRecord]:
     for lane in lanes:
         for action in lane:
             if action.op not in PARALLEL_OPS:
@@ -76,9 +90,9 @@ def run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Step
         except StepFailed as failed:
             order = ", ".join(step.name for step in found.order if step.lane < len(lanes))
             context = f"{_lanes_text(calls, len(lanes))}\n  taken in the order {order}, which explains every status"
-            raise StepFailed(
-                Violation(failed.violation.property, f"{context}\n{failed.violation.message}"), failed.record
-            ) from None
+            # The step is named by its lane: the phase is one step of the failing sequence.
+            judged = failed.violation.message.replace(f"step {failed.record.index}: ", f"{timed.name}: ", 1)
+            raise StepFailed(Violation(failed.violation.property, f"{context}\n{judged}"), failed.record) from None
     return records
 
 
@@ -114,11 +128,10 @@ def _checked(
 
 
 def _fail(driver: Driver, prop: str, what: str, calls: list[TimedStep[ObservedCall]]) -> NoReturn:
+    """``run_parallel`` records the phase itself as the failing step."""
     lanes = max((timed.lane for timed in calls), default=-1) + 1
     message = f"{_lanes_text(calls, lanes)}\n  {what}" if calls else f"  {what}"
-    record = StepRecord(len(driver.records) + 1, Action("parallel", {"lanes": lanes}), "", what, "FAILED")
-    driver.records.append(record)
-    raise StepFailed(Violation(prop, message), record)
+    raise StepFailed(Violation(prop, message), StepRecord(len(driver.records) + 1, Action(PARALLEL_OP), "", what, "FAILED"))
 
 
 def _answer_text(call: ObservedCall) -> str:

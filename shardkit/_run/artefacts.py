@@ -54,6 +54,8 @@ def machine_identity(machine: type[ShardMachine]) -> str:
         f"machine={getattr(base, '__module__', '?')}:{getattr(base, '__qualname__', base)}",
         f"model={getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', model)}",
     ]
+    if machine.concurrency > 1:  # only then, so a sequential run keeps the names it always had
+        parts.append(f"concurrency={machine.concurrency}")
     return "\n".join(parts)
 
 

@@ -12,6 +12,7 @@ from shardkit._core.importing import import_named
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
 from shardkit._machine.build import parse_faults
+from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.trace import importable_name
@@ -60,7 +61,9 @@ class FuzzOptions:
     whose memory ``worker_memory_mb`` limits. ``base`` (``--machine``: a ``ShardMachine``
     subclass, or its ``module:Class`` / ``file.py:Class`` name) and ``model`` (default: the
     machine's ``model_factory``) extend the rules (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
-    the work by counts.
+    the work by counts. ``concurrency`` of 2 or 3 ends examples with that many lanes of
+    calls sent at the same time (docs/contract.md#linearizability); the engine must declare
+    ``concurrent_calls`` in its capabilities.
     """
 
     examples: int = DEFAULT_EXAMPLES
@@ -76,6 +79,7 @@ class FuzzOptions:
     base: type[ShardMachine] | str = ShardMachine
     minimize: bool = True
     budgets: Budgets = DEFAULT_BUDGETS
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
         for name in ("examples", "steps"):
@@ -92,6 +96,10 @@ class FuzzOptions:
         object.__setattr__(self, "faults", _canonical_faults(self.faults))
         object.__setattr__(self, "base", _machine_class(self.base))
         check_step_timeout(self.step_timeout)
+        concurrency: Any = self.concurrency
+        if concurrency not in range(1, MAX_CONCURRENCY + 1) or isinstance(concurrency, bool | float):
+            message = f"concurrency (--concurrency) must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
+            raise UsageError(message)
         memory = self.worker_memory_mb
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
             message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
@@ -119,6 +127,7 @@ class FuzzOptions:
             "isolate": self.isolate,
             "step_timeout": self.step_timeout,
             "worker_memory_mb": self.worker_memory_mb,
+            "concurrency": self.concurrency,
         }
 
     def command(self, target: str, seed: int, reference: str | None, isolation: IsolationOptions | None) -> str:
@@ -137,6 +146,8 @@ class FuzzOptions:
             parts += ["--faults", self.faults]
         if not self.twins:
             parts.append("--no-twins")
+        if self.concurrency != defaults.concurrency:
+            parts += ["--concurrency", str(self.concurrency)]
         if reference is not None:
             parts += ["--reference", shlex.quote(reference)]
         if isolation is not None:

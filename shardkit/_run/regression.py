@@ -56,8 +56,10 @@ def recorded_engine(request: pytest.FixtureRequest) -> Iterator[PreparedReplay]:
 
 
 def test_replay_no_longer_violates_{slug}(recorded_engine: PreparedReplay) -> None:
+    # A trace with a parallel phase runs several times, each on a fresh engine: a race shows on some runs only.
     result = recorded_engine.run()
     if result.failure is not None:
+        rate = f"\\n(a parallel phase: {{result.reproductions}} of {{result.runs}} runs reproduced it)" if result.runs > 1 else ""
         # The failure as shardkit prints it, without pytest's repr of the objects around it.
-        pytest.fail(result.failure.message, pytrace=False)
+        pytest.fail(result.failure.message + rate, pytrace=False)
 '''

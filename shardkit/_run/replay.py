@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
+from shardkit._core.driver import CustomOp, Driver, StepRecord, Violation
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, is_remote_address
+from shardkit._parallel.runs import replay_runs
 from shardkit._run.trace_reader import Trace, check_custom_steps, read_trace
 from shardkit._run.trust import Admitted, admit, build_recorded_machine, resolve_admitted
 from shardkit._transport.isolation import target_with_options
@@ -33,6 +34,7 @@ from shardkit._transport.resolve import resolve_target
 from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
 __all__ = [
+    "DEFAULT_REPLAY_RUNS",
     "RECORDED",
     "PreparedReplay",
     "ReplayResult",
@@ -50,11 +52,23 @@ class _Recorded(enum.Enum):
 RECORDED = _Recorded.RECORDED
 
 
+#: Runs of a trace that holds a parallel phase: its race may show on some runs only.
+DEFAULT_REPLAY_RUNS = 20
+
+
 @dataclass(frozen=True)
 class ReplayResult:
+    """What a replay found: the steps of one run and the violation they ended in (the first
+    run that violated the recorded property, else the first that violated another, else
+    the last run), with how many runs there were and how many reproduced."""
+
     trace: Trace
     records: tuple[StepRecord, ...]
     failure: Violation | None
+    #: Times the steps ran: once, or ``runs`` times for a trace that holds a parallel phase.
+    runs: int = 1
+    #: The runs that violated the recorded property.
+    reproductions: int = 0
 
     @property
     def reproduced(self) -> bool:
@@ -92,13 +106,21 @@ class PreparedReplay:
     description: str
     owns_engine: bool = True
 
-    def run(self) -> ReplayResult:
-        for action in self.trace.actions:
-            try:
-                self.driver.execute(action)
-            except StepFailed as failed:
-                return ReplayResult(self.trace, tuple(self.driver.records), failed.violation)
-        return ReplayResult(self.trace, tuple(self.driver.records), None)
+    def run(self, runs: int = DEFAULT_REPLAY_RUNS) -> ReplayResult:
+        """Run the steps once, or ``runs`` times (each on a fresh engine) if they hold a
+        parallel phase, counting the runs that reproduced the recorded property."""
+        recorded = self.trace.failure.property
+        shown: tuple[int, tuple[StepRecord, ...], Violation | None] = (-1, (), None)
+        ran = reproductions = 0
+        for driver, failed in replay_runs(self.driver, self.trace.actions, runs):
+            ran += 1
+            violation = failed.violation if failed is not None else None
+            # Shown: the first run that reproduced, else the first with another failure.
+            rank = 0 if violation is None else 2 if violation.property == recorded else 1
+            reproductions += rank == 2
+            if rank > shown[0]:
+                shown = (rank, tuple(driver.records), violation)
+        return ReplayResult(self.trace, shown[1], shown[2], ran, reproductions)
 
     def close(self) -> None:
         if self.engine.isolation is not None and self.owns_engine:
@@ -121,6 +143,7 @@ def replay(
     isolate: bool | IsolationOptions | None = None,
     trust: bool = False,
     announce: Callable[[str], object] | None = None,
+    runs: int = DEFAULT_REPLAY_RUNS,
 ) -> ReplayResult:
     """Re-run a trace's steps without Hypothesis, against its recorded target or ``target``.
 
@@ -138,7 +161,13 @@ def replay(
     Raises ``TraceFormatError`` for a file that is not a valid trace, ``UntrustedTarget``
     for recorded code the rule does not let it build, and ``InvalidTarget`` for a target
     that cannot be built or refuses the recorded load request.
+
+    A trace that holds a parallel phase runs ``runs`` times, each on a fresh engine (its
+    race may show on some runs only); the result counts the runs that reproduced.
     """
+    if runs < 1:
+        message = f"runs must be 1 or more, got {runs}"
+        raise ValueError(message)
     with prepare_replay(
         trace_path,
         target,
@@ -149,7 +178,7 @@ def replay(
         trust=trust,
         announce=announce,
     ) as prepared:
-        return prepared.run()
+        return prepared.run(runs)
 
 
 def prepare_replay(

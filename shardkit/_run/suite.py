@@ -52,6 +52,7 @@ def machine_for(
     isolate: bool | IsolationOptions = False,
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
+    concurrency: int = 1,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model; collect
     its ``TestCase`` with pytest.
@@ -64,6 +65,9 @@ def machine_for(
     model (None: the ``model_factory`` of ``base``; see docs/extending.md). ``isolate`` runs every engine in
     a child process, whose calls get ``step_timeout`` seconds each and whose memory
     ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
+    ``concurrency`` of 2 or 3 ends examples with that many lanes of calls sent to the
+    engine at the same time, checked for linearizability (docs/contract.md#linearizability);
+    the engine must declare ``concurrent_calls`` in its capabilities.
     """
     return build_machine(
         target_or_factory,
@@ -78,6 +82,7 @@ def machine_for(
         step_timeout=step_timeout,
         worker_memory_mb=worker_memory_mb,
         suite_runner=run_as_test,
+        concurrency=concurrency,
     )
 
 

@@ -29,8 +29,9 @@ from types import MappingProxyType
 from typing import Any
 
 from shardkit._core.driver import CustomOp, Violation
-from shardkit._core.steps import BEFORE_LOAD_CALLS, Action, known_malformations
+from shardkit._core.steps import BEFORE_LOAD_CALLS, PARALLEL_OP, Action, known_malformations, phase_action
 from shardkit._core.targets import IsolationOptions
+from shardkit._parallel.phase import PARALLEL_OPS
 from shardkit._run.trace import TRACE_FORMAT, TRACE_VERSION
 from shardkit.contract import FAULT_KINDS, LoadRequest
 from shardkit.errors import TraceFormatError
@@ -50,6 +51,9 @@ MAX_TEXT = 65_536
 MAX_INT = 2**64
 MAX_DELAY_SECONDS = 10.0
 MAX_RECIPE_KEYS = 256
+#: A parallel phase's lanes, and the steps of one lane.
+MAX_LANES = 8
+MAX_LANE_STEPS = 1_000
 #: Keys that say where a recorded name's code lives (see ``shardkit._run.trace.code_location``).
 LOCATION_KEYS = tuple(
     f"{role}_{kind}" for role in ("target", "reference", "machine", "model") for kind in ("file", "path")
@@ -446,6 +450,28 @@ def _fault_args(schema: _Schema, args: Mapping[str, Any], where: str) -> dict[st
     return {"kind": kind, "value": value}
 
 
+def _parallel_args(schema: _Schema, args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    lanes = schema.field(args, "lanes", where)
+    if not isinstance(lanes, list) or not 0 < len(lanes) <= MAX_LANES:
+        raise schema.fail(f"{where}.lanes", f"must be a list of 1 to {MAX_LANES} lanes, got {_short(lanes)}")
+    checked = []
+    for lane, steps in enumerate(lanes):
+        if not isinstance(steps, list) or not 0 < len(steps) <= MAX_LANE_STEPS:
+            raise schema.fail(f"{where}.lanes[{lane}]", f"must be a list of 1 to {MAX_LANE_STEPS} steps, got {_short(steps)}")
+        actions = []
+        for index, step in enumerate(steps):
+            inner = f"{where}.lanes[{lane}][{index}]"
+            step = schema.object(step, inner)
+            op = step.get("op")
+            if op not in PARALLEL_OPS:
+                raise schema.fail(f"{inner}.op", f"must be one of {sorted(PARALLEL_OPS)} in a lane, got {_short(op)}")
+            inner_args = schema.object(step.get("args", {}), f"{inner}.args")
+            note = schema.text(step.get("note", ""), f"{inner}.note")
+            actions.append(Action(op, _ARGUMENT_CHECKS[op](schema, inner_args, f"{inner}.args"), note))
+        checked.append(tuple(actions))
+    return dict(phase_action(checked).args)
+
+
 _ARGUMENT_CHECKS: Mapping[str, Callable[[_Schema, Mapping[str, Any], str], Mapping[str, Any]]] = MappingProxyType({
     "prefill": _step_args,
     "decode": _step_args,
@@ -454,4 +480,5 @@ _ARGUMENT_CHECKS: Mapping[str, Callable[[_Schema, Mapping[str, Any], str], Mappi
     "health": lambda schema, args, where: {},
     "unloaded": _unloaded_args,
     "fault": _fault_args,
+    PARALLEL_OP: _parallel_args,
 })

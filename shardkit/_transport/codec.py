@@ -264,6 +264,7 @@ def capabilities_to_pb(caps: EngineCapabilities) -> pb.EngineCapabilities:
         dtype=caps.dtype,
         supported_faults=sorted(caps.supported_faults),
         tolerance=caps.tolerance,
+        concurrent_calls=caps.concurrent_calls,
         **ints,
     )
 
@@ -278,6 +279,7 @@ def capabilities_from_pb(message: pb.EngineCapabilities) -> EngineCapabilities:
             dtype=message.dtype,
             supported_faults=frozenset(message.supported_faults),
             tolerance=message.tolerance,
+            concurrent_calls=message.concurrent_calls,
             **ints,
         ),
     )

@@ -50,11 +50,13 @@ predicts the sum of the history modulo the vocabulary, and its cache is the hist
 from __future__ import annotations
 
 import abc
+import functools
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -210,6 +212,21 @@ def _invalid_fault(fault: Fault, fix: str) -> StructuredStatus:
     return StructuredStatus(StatusCode.INVALID_ARGUMENT, f"Fault(kind={fault.kind!r}, value={fault.value!r}): {fix}")
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_call_at_a_time(method: _Method) -> _Method:
+    """A method of an engine whose ``_calls`` lock it holds while it runs: calls from
+    several threads run one at a time (what ``concurrent_calls`` lets a kit rely on)."""
+
+    @functools.wraps(method)
+    def serialized(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, serialized)
+
+
 class SessionEngine(ShardEngine, Generic[CacheT]):
     """A ``ShardEngine`` whose lifecycle is contract §2 exactly, with every §4 fault native;
     a subclass adds the numerics through ``load_layers``, ``fresh_cache``, ``forward`` and
@@ -271,6 +288,9 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
                 "set it as a class variable"
             )
             raise TypeError(message)
+        # Calls from several threads run one at a time (``concurrent_calls``), a subclass's
+        # ``forward`` included; re-entrant, so an override may call ``super()``.
+        self._calls = threading.RLock()
         self._spec = spec
         self._crash_exception_factory = crash_exception_factory or self._default_crash
         self._step_delay_seconds = step_delay_seconds
@@ -354,6 +374,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     # --- loading ---------------------------------------------------------------------------
 
+    @one_call_at_a_time
     def load(self, request: LoadRequest) -> LoadResult:
         self._check_alive("load")
         if self._served is not None:
@@ -373,6 +394,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         self._served = _ServedRange(span, request.role, architecture)
         return LoadResult(_OK, architecture)
 
+    @one_call_at_a_time
     def capabilities(self) -> EngineCapabilities:
         self._check_alive("capabilities")
         spec = self._spec
@@ -390,15 +412,18 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             max_kv_tokens=self._max_kv_tokens,
             supported_faults=frozenset(FAULT_KINDS),
             tolerance=self.TOLERANCE,
+            concurrent_calls=True,
         )
 
     # --- steps -------------------------------------------------------------------------------
 
+    @one_call_at_a_time
     def prefill(self, request: PrefillRequest) -> StepResult:
         self._check_alive("prefill", counted=True)
         self._prefill_calls += 1
         return self._step(request, "prefill")
 
+    @one_call_at_a_time
     def decode(self, request: DecodeRequest) -> StepResult:
         self._check_alive("decode", counted=True)
         self._decode_calls += 1
@@ -593,6 +618,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     # --- session control -------------------------------------------------------------------
 
+    @one_call_at_a_time
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         self._check_alive("cancel", counted=True)
         if self._served is None:
@@ -614,6 +640,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         session.cancelled, session.kv_tokens, session.cache = True, 0, None
         return _OK
 
+    @one_call_at_a_time
     def release(self, session_id: str) -> StructuredStatus:
         self._check_alive("release", counted=True)
         if self._served is None:
@@ -623,10 +650,12 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             self.release_cache(session.cache)
         return _OK
 
+    @one_call_at_a_time
     def health(self) -> HealthResult:
         self._check_alive("health")
         return HealthResult(_OK, serving=self._served is not None)
 
+    @one_call_at_a_time
     def metrics(self) -> MetricsResult:
         self._check_alive("metrics")
         # A cancelled session keeps its slot (contract §2), so it still counts as active.
@@ -637,6 +666,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     # --- faults ------------------------------------------------------------------------------
 
+    @one_call_at_a_time
     def inject_fault(self, fault: Fault) -> StructuredStatus:
         """Arm ``fault`` natively (contract §4); INVALID_ARGUMENT for a value it cannot mean."""
         self._check_alive("inject_fault")

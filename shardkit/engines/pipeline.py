@@ -48,6 +48,7 @@ the pipeline answers ``INTERNAL`` naming each stage's code, else stage 1's statu
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -73,6 +74,7 @@ from shardkit.contract import (
     role_of,
 )
 from shardkit.engines._checks import identity_problem, refusal
+from shardkit.engines.base import one_call_at_a_time
 from shardkit.engines.fake import FakeShardEngine
 
 __all__ = ["PipelineEngine"]
@@ -132,6 +134,7 @@ class PipelineEngine(ShardEngine):
         if any(later <= earlier for earlier, later in itertools.pairwise(cuts)):
             message = f"PipelineEngine cuts must be strictly increasing (each the last layer of a stage), got {cuts!r}"
             raise ValueError(message)
+        self._calls = threading.RLock()
         self._cuts: tuple[int, ...] = tuple(cuts)
         build = stage_factory if stage_factory is not None else FakeShardEngine
         self._engines: tuple[ShardEngine, ...] = tuple(build() for _ in range(len(self._cuts) + 1))
@@ -206,11 +209,15 @@ class PipelineEngine(ShardEngine):
             max_kv_tokens=min(caps.max_kv_tokens for caps in figures),
             supported_faults=frozenset(),
             tolerance=sum(caps.tolerance for caps in figures),
+            # Its calls run one at a time, so its stages never see two at once.
+            concurrent_calls=True,
         )
 
+    @one_call_at_a_time
     def capabilities(self) -> EngineCapabilities:
         return self._combine([engine.capabilities() for engine in self._engines])
 
+    @one_call_at_a_time
     def load(self, request: LoadRequest) -> LoadResult:
         if self._stages is not None or self._load_started:
             state = "already serves" if self._stages is not None else "half-loaded its stages for"
@@ -278,10 +285,12 @@ class PipelineEngine(ShardEngine):
 
     # --- steps -------------------------------------------------------------------------
 
+    @one_call_at_a_time
     def prefill(self, request: PrefillRequest) -> StepResult:
         self._prefill_calls += 1
         return self._step(request, "prefill")
 
+    @one_call_at_a_time
     def decode(self, request: DecodeRequest) -> StepResult:
         self._decode_calls += 1
         return self._step(request, "decode")
@@ -355,6 +364,7 @@ class PipelineEngine(ShardEngine):
 
     # --- session control ---------------------------------------------------------------
 
+    @one_call_at_a_time
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         stages = self._stages
         if stages is None:
@@ -364,6 +374,7 @@ class PipelineEngine(ShardEngine):
             return StructuredStatus(StatusCode.INVALID_ARGUMENT, f"cancel of session {session_id!r}: {problem}")
         return self._agreed("cancel", stages, [stage.engine.cancel(session_id, epoch) for stage in stages])
 
+    @one_call_at_a_time
     def release(self, session_id: str) -> StructuredStatus:
         stages = self._stages
         if stages is None:
@@ -385,6 +396,7 @@ class PipelineEngine(ShardEngine):
             return _OK
         return StructuredStatus(first.code, f"{stages[0].label}: {first.message}", first.retryable)
 
+    @one_call_at_a_time
     def health(self) -> HealthResult:
         stages = self._stages
         if stages is None:
@@ -396,6 +408,7 @@ class PipelineEngine(ShardEngine):
                 return HealthResult(StructuredStatus(health.status.code, message, health.status.retryable), False)
         return HealthResult(_OK, serving=True)
 
+    @one_call_at_a_time
     def metrics(self) -> MetricsResult:
         figures = [engine.metrics() for engine in self._engines]
         return MetricsResult(

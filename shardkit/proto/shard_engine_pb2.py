@@ -14,17 +14,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12shard_engine.proto\x12\x0bshardkit.v1\"<\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"`\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x11\n\tserver_id\x18\x04 \x01(\t\"\x12\n\x10NewEngineRequest\"9\n\x11NewEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x11\n\tserver_id\x18\x02 \x01(\t\"\x1e\n\tEngineRef\x12\x11\n\tengine_id\x18\x01 \x01(\x04\"%\n\x13\x43loseEngineResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"]\n\x10StructuredStatus\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.shardkit.v1.StatusCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"r\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_start\x18\x02 \x01(\x12\x12\x11\n\tshard_end\x18\x03 \x01(\x12\x12\x14\n\x0ctotal_layers\x18\x04 \x01(\x12\x12\x13\n\x0brecipe_json\x18\x05 \x01(\t\"Q\n\nLoadResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\"\x92\x02\n\x12\x45ngineCapabilities\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x16\n\x0e\x65vidence_class\x18\x02 \x01(\t\x12\x14\n\x0ctotal_layers\x18\x03 \x01(\x12\x12\x13\n\x0bshard_start\x18\x04 \x01(\x12\x12\x11\n\tshard_end\x18\x05 \x01(\x12\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x12\x12\x12\n\nvocab_size\x18\x07 \x01(\x12\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x12\x12\x15\n\rmax_kv_tokens\x18\n \x01(\x12\x12\x18\n\x10supported_faults\x18\x0b \x03(\t\x12\x11\n\ttolerance\x18\x0c \x01(\x01\"H\n\x0c\x45ngineTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x12\"\x9f\x02\n\x0e\x42oundaryBundle\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x05\x65poch\x18\x02 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x08 \x01(\tH\x00\x12\x0e\n\x04step\x18\x03 \x01(\x12H\x01\x12\x16\n\x0cstep_decimal\x18\t \x01(\tH\x01\x12\x16\n\x0e\x62oundary_point\x18\x04 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12*\n\x07tensors\x18\x06 \x03(\x0b\x32\x19.shardkit.v1.EngineTensor\x12\x30\n\x11token_id_sideband\x18\x07 \x01(\x0b\x32\x15.shardkit.v1.TokenIdsB\r\n\x0b\x65poch_valueB\x0c\n\nstep_value\"?\n\x0bTokenOutput\x12\x10\n\x08token_id\x18\x01 \x01(\x12\x12\x13\n\x06margin\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_margin\"\xf4\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x05\x65poch\x18\x02 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x06 \x01(\tH\x00\x12\x0e\n\x04step\x18\x03 \x01(\x12H\x01\x12\x16\n\x0cstep_decimal\x18\x07 \x01(\tH\x01\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.shardkit.v1.TokenIdsH\x02\x12-\n\x06\x62undle\x18\x05 \x01(\x0b\x32\x1b.shardkit.v1.BoundaryBundleH\x02\x42\r\n\x0b\x65poch_valueB\x0c\n\nstep_valueB\x07\n\x05input\"\xc8\x01\n\nStepResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\'\n\x05\x63\x61\x63he\x18\x02 \x01(\x0e\x32\x18.shardkit.v1.CacheResult\x12-\n\x06\x62undle\x18\x03 \x01(\x0b\x32\x1b.shardkit.v1.BoundaryBundleH\x00\x12)\n\x05token\x18\x04 \x01(\x0b\x32\x18.shardkit.v1.TokenOutputH\x00\x42\x08\n\x06output\"N\n\x0cHealthResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\x0f\n\x07serving\x18\x02 \x01(\x08\"h\n\rMetricsResult\x12\x15\n\rprefill_calls\x18\x01 \x01(\x12\x12\x14\n\x0c\x64\x65\x63ode_calls\x18\x02 \x01(\x12\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\x12\x12\x11\n\tkv_tokens\x18\x04 \x01(\x12\"$\n\x05\x46\x61ult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"H\n\x08LoadCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.shardkit.v1.LoadRequest\"t\n\x0cLoadResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x17.shardkit.v1.LoadResultH\x00\x12.\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatusH\x00\x42\t\n\x07outcome\"\x8a\x01\n\x14\x43\x61pabilitiesResponse\x12\x37\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1f.shardkit.v1.EngineCapabilitiesH\x00\x12.\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatusH\x00\x42\t\n\x07outcome\"H\n\x08StepCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.shardkit.v1.StepRequest\"l\n\nCancelCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x05\x65poch\x18\x03 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x04 \x01(\tH\x00\x42\r\n\x0b\x65poch_value\"4\n\x0bReleaseCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"G\n\x0fInjectFaultCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12!\n\x05\x66\x61ult\x18\x02 \x01(\x0b\x32\x12.shardkit.v1.Fault*\xf0\x02\n\nStatusCode\x12\x1b\n\x17STATUS_CODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12 \n\x1cSTATUS_CODE_INVALID_ARGUMENT\x10\x02\x12\x19\n\x15STATUS_CODE_NOT_FOUND\x10\x03\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\x04\x12\x17\n\x13STATUS_CODE_ABORTED\x10\x05\x12\x19\n\x15STATUS_CODE_CANCELLED\x10\x06\x12\"\n\x1eSTATUS_CODE_RESOURCE_EXHAUSTED\x10\x07\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x08\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\t\x12!\n\x1dSTATUS_CODE_DEADLINE_EXCEEDED\x10\n\x12\x1d\n\x19STATUS_CODE_UNIMPLEMENTED\x10\x0b*X\n\x0b\x43\x61\x63heResult\x12\x1c\n\x18\x43\x41\x43HE_RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_RESULT_HIT\x10\x01\x12\x15\n\x11\x43\x41\x43HE_RESULT_MISS\x10\x02\x32\xbd\x06\n\x12ShardEngineService\x12J\n\tHandshake\x12\x1d.shardkit.v1.HandshakeRequest\x1a\x1e.shardkit.v1.HandshakeResponse\x12J\n\tNewEngine\x12\x1d.shardkit.v1.NewEngineRequest\x1a\x1e.shardkit.v1.NewEngineResponse\x12G\n\x0b\x43loseEngine\x12\x16.shardkit.v1.EngineRef\x1a .shardkit.v1.CloseEngineResponse\x12\x38\n\x04Load\x12\x15.shardkit.v1.LoadCall\x1a\x19.shardkit.v1.LoadResponse\x12I\n\x0c\x43\x61pabilities\x12\x16.shardkit.v1.EngineRef\x1a!.shardkit.v1.CapabilitiesResponse\x12\x39\n\x07Prefill\x12\x15.shardkit.v1.StepCall\x1a\x17.shardkit.v1.StepResult\x12\x38\n\x06\x44\x65\x63ode\x12\x15.shardkit.v1.StepCall\x1a\x17.shardkit.v1.StepResult\x12@\n\x06\x43\x61ncel\x12\x17.shardkit.v1.CancelCall\x1a\x1d.shardkit.v1.StructuredStatus\x12\x42\n\x07Release\x12\x18.shardkit.v1.ReleaseCall\x1a\x1d.shardkit.v1.StructuredStatus\x12;\n\x06Health\x12\x16.shardkit.v1.EngineRef\x1a\x19.shardkit.v1.HealthResult\x12=\n\x07Metrics\x12\x16.shardkit.v1.EngineRef\x1a\x1a.shardkit.v1.MetricsResult\x12J\n\x0bInjectFault\x12\x1c.shardkit.v1.InjectFaultCall\x1a\x1d.shardkit.v1.StructuredStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12shard_engine.proto\x12\x0bshardkit.v1\"<\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"`\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x11\n\tserver_id\x18\x04 \x01(\t\"\x12\n\x10NewEngineRequest\"9\n\x11NewEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x11\n\tserver_id\x18\x02 \x01(\t\"\x1e\n\tEngineRef\x12\x11\n\tengine_id\x18\x01 \x01(\x04\"%\n\x13\x43loseEngineResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"]\n\x10StructuredStatus\x12%\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x17.shardkit.v1.StatusCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"r\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bshard_start\x18\x02 \x01(\x12\x12\x11\n\tshard_end\x18\x03 \x01(\x12\x12\x14\n\x0ctotal_layers\x18\x04 \x01(\x12\x12\x13\n\x0brecipe_json\x18\x05 \x01(\t\"Q\n\nLoadResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\"\xac\x02\n\x12\x45ngineCapabilities\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x16\n\x0e\x65vidence_class\x18\x02 \x01(\t\x12\x14\n\x0ctotal_layers\x18\x03 \x01(\x12\x12\x13\n\x0bshard_start\x18\x04 \x01(\x12\x12\x11\n\tshard_end\x18\x05 \x01(\x12\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x12\x12\x12\n\nvocab_size\x18\x07 \x01(\x12\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_sessions\x18\t \x01(\x12\x12\x15\n\rmax_kv_tokens\x18\n \x01(\x12\x12\x18\n\x10supported_faults\x18\x0b \x03(\t\x12\x11\n\ttolerance\x18\x0c \x01(\x01\x12\x18\n\x10\x63oncurrent_calls\x18\r \x01(\x08\"H\n\x0c\x45ngineTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x12\"\x9f\x02\n\x0e\x42oundaryBundle\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x05\x65poch\x18\x02 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x08 \x01(\tH\x00\x12\x0e\n\x04step\x18\x03 \x01(\x12H\x01\x12\x16\n\x0cstep_decimal\x18\t \x01(\tH\x01\x12\x16\n\x0e\x62oundary_point\x18\x04 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12*\n\x07tensors\x18\x06 \x03(\x0b\x32\x19.shardkit.v1.EngineTensor\x12\x30\n\x11token_id_sideband\x18\x07 \x01(\x0b\x32\x15.shardkit.v1.TokenIdsB\r\n\x0b\x65poch_valueB\x0c\n\nstep_value\"?\n\x0bTokenOutput\x12\x10\n\x08token_id\x18\x01 \x01(\x12\x12\x13\n\x06margin\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_margin\"\xf4\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x05\x65poch\x18\x02 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x06 \x01(\tH\x00\x12\x0e\n\x04step\x18\x03 \x01(\x12H\x01\x12\x16\n\x0cstep_decimal\x18\x07 \x01(\tH\x01\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.shardkit.v1.TokenIdsH\x02\x12-\n\x06\x62undle\x18\x05 \x01(\x0b\x32\x1b.shardkit.v1.BoundaryBundleH\x02\x42\r\n\x0b\x65poch_valueB\x0c\n\nstep_valueB\x07\n\x05input\"\xc8\x01\n\nStepResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\'\n\x05\x63\x61\x63he\x18\x02 \x01(\x0e\x32\x18.shardkit.v1.CacheResult\x12-\n\x06\x62undle\x18\x03 \x01(\x0b\x32\x1b.shardkit.v1.BoundaryBundleH\x00\x12)\n\x05token\x18\x04 \x01(\x0b\x32\x18.shardkit.v1.TokenOutputH\x00\x42\x08\n\x06output\"N\n\x0cHealthResult\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatus\x12\x0f\n\x07serving\x18\x02 \x01(\x08\"h\n\rMetricsResult\x12\x15\n\rprefill_calls\x18\x01 \x01(\x12\x12\x14\n\x0c\x64\x65\x63ode_calls\x18\x02 \x01(\x12\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\x12\x12\x11\n\tkv_tokens\x18\x04 \x01(\x12\"$\n\x05\x46\x61ult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"H\n\x08LoadCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.shardkit.v1.LoadRequest\"t\n\x0cLoadResponse\x12)\n\x06result\x18\x01 \x01(\x0b\x32\x17.shardkit.v1.LoadResultH\x00\x12.\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatusH\x00\x42\t\n\x07outcome\"\x8a\x01\n\x14\x43\x61pabilitiesResponse\x12\x37\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1f.shardkit.v1.EngineCapabilitiesH\x00\x12.\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.shardkit.v1.StructuredStatusH\x00\x42\t\n\x07outcome\"H\n\x08StepCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.shardkit.v1.StepRequest\"l\n\nCancelCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x05\x65poch\x18\x03 \x01(\x12H\x00\x12\x17\n\repoch_decimal\x18\x04 \x01(\tH\x00\x42\r\n\x0b\x65poch_value\"4\n\x0bReleaseCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"G\n\x0fInjectFaultCall\x12\x11\n\tengine_id\x18\x01 \x01(\x04\x12!\n\x05\x66\x61ult\x18\x02 \x01(\x0b\x32\x12.shardkit.v1.Fault*\xf0\x02\n\nStatusCode\x12\x1b\n\x17STATUS_CODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12 \n\x1cSTATUS_CODE_INVALID_ARGUMENT\x10\x02\x12\x19\n\x15STATUS_CODE_NOT_FOUND\x10\x03\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\x04\x12\x17\n\x13STATUS_CODE_ABORTED\x10\x05\x12\x19\n\x15STATUS_CODE_CANCELLED\x10\x06\x12\"\n\x1eSTATUS_CODE_RESOURCE_EXHAUSTED\x10\x07\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x08\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\t\x12!\n\x1dSTATUS_CODE_DEADLINE_EXCEEDED\x10\n\x12\x1d\n\x19STATUS_CODE_UNIMPLEMENTED\x10\x0b*X\n\x0b\x43\x61\x63heResult\x12\x1c\n\x18\x43\x41\x43HE_RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_RESULT_HIT\x10\x01\x12\x15\n\x11\x43\x41\x43HE_RESULT_MISS\x10\x02\x32\xbd\x06\n\x12ShardEngineService\x12J\n\tHandshake\x12\x1d.shardkit.v1.HandshakeRequest\x1a\x1e.shardkit.v1.HandshakeResponse\x12J\n\tNewEngine\x12\x1d.shardkit.v1.NewEngineRequest\x1a\x1e.shardkit.v1.NewEngineResponse\x12G\n\x0b\x43loseEngine\x12\x16.shardkit.v1.EngineRef\x1a .shardkit.v1.CloseEngineResponse\x12\x38\n\x04Load\x12\x15.shardkit.v1.LoadCall\x1a\x19.shardkit.v1.LoadResponse\x12I\n\x0c\x43\x61pabilities\x12\x16.shardkit.v1.EngineRef\x1a!.shardkit.v1.CapabilitiesResponse\x12\x39\n\x07Prefill\x12\x15.shardkit.v1.StepCall\x1a\x17.shardkit.v1.StepResult\x12\x38\n\x06\x44\x65\x63ode\x12\x15.shardkit.v1.StepCall\x1a\x17.shardkit.v1.StepResult\x12@\n\x06\x43\x61ncel\x12\x17.shardkit.v1.CancelCall\x1a\x1d.shardkit.v1.StructuredStatus\x12\x42\n\x07Release\x12\x18.shardkit.v1.ReleaseCall\x1a\x1d.shardkit.v1.StructuredStatus\x12;\n\x06Health\x12\x16.shardkit.v1.EngineRef\x1a\x19.shardkit.v1.HealthResult\x12=\n\x07Metrics\x12\x16.shardkit.v1.EngineRef\x1a\x1a.shardkit.v1.MetricsResult\x12J\n\x0bInjectFault\x12\x1c.shardkit.v1.InjectFaultCall\x1a\x1d.shardkit.v1.StructuredStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shard_engine_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_STATUSCODE']._serialized_start=2689
-  _globals['_STATUSCODE']._serialized_end=3057
-  _globals['_CACHERESULT']._serialized_start=3059
-  _globals['_CACHERESULT']._serialized_end=3147
+  _globals['_STATUSCODE']._serialized_start=2715
+  _globals['_STATUSCODE']._serialized_end=3083
+  _globals['_CACHERESULT']._serialized_start=3085
+  _globals['_CACHERESULT']._serialized_end=3173
   _globals['_HANDSHAKEREQUEST']._serialized_start=35
   _globals['_HANDSHAKEREQUEST']._serialized_end=95
   _globals['_HANDSHAKERESPONSE']._serialized_start=97
@@ -44,39 +44,39 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_LOADRESULT']._serialized_start=556
   _globals['_LOADRESULT']._serialized_end=637
   _globals['_ENGINECAPABILITIES']._serialized_start=640
-  _globals['_ENGINECAPABILITIES']._serialized_end=914
-  _globals['_ENGINETENSOR']._serialized_start=916
-  _globals['_ENGINETENSOR']._serialized_end=988
-  _globals['_TOKENIDS']._serialized_start=990
-  _globals['_TOKENIDS']._serialized_end=1013
-  _globals['_BOUNDARYBUNDLE']._serialized_start=1016
-  _globals['_BOUNDARYBUNDLE']._serialized_end=1303
-  _globals['_TOKENOUTPUT']._serialized_start=1305
-  _globals['_TOKENOUTPUT']._serialized_end=1368
-  _globals['_STEPREQUEST']._serialized_start=1371
-  _globals['_STEPREQUEST']._serialized_end=1615
-  _globals['_STEPRESULT']._serialized_start=1618
-  _globals['_STEPRESULT']._serialized_end=1818
-  _globals['_HEALTHRESULT']._serialized_start=1820
-  _globals['_HEALTHRESULT']._serialized_end=1898
-  _globals['_METRICSRESULT']._serialized_start=1900
-  _globals['_METRICSRESULT']._serialized_end=2004
-  _globals['_FAULT']._serialized_start=2006
-  _globals['_FAULT']._serialized_end=2042
-  _globals['_LOADCALL']._serialized_start=2044
-  _globals['_LOADCALL']._serialized_end=2116
-  _globals['_LOADRESPONSE']._serialized_start=2118
-  _globals['_LOADRESPONSE']._serialized_end=2234
-  _globals['_CAPABILITIESRESPONSE']._serialized_start=2237
-  _globals['_CAPABILITIESRESPONSE']._serialized_end=2375
-  _globals['_STEPCALL']._serialized_start=2377
-  _globals['_STEPCALL']._serialized_end=2449
-  _globals['_CANCELCALL']._serialized_start=2451
-  _globals['_CANCELCALL']._serialized_end=2559
-  _globals['_RELEASECALL']._serialized_start=2561
-  _globals['_RELEASECALL']._serialized_end=2613
-  _globals['_INJECTFAULTCALL']._serialized_start=2615
-  _globals['_INJECTFAULTCALL']._serialized_end=2686
-  _globals['_SHARDENGINESERVICE']._serialized_start=3150
-  _globals['_SHARDENGINESERVICE']._serialized_end=3979
+  _globals['_ENGINECAPABILITIES']._serialized_end=940
+  _globals['_ENGINETENSOR']._serialized_start=942
+  _globals['_ENGINETENSOR']._serialized_end=1014
+  _globals['_TOKENIDS']._serialized_start=1016
+  _globals['_TOKENIDS']._serialized_end=1039
+  _globals['_BOUNDARYBUNDLE']._serialized_start=1042
+  _globals['_BOUNDARYBUNDLE']._serialized_end=1329
+  _globals['_TOKENOUTPUT']._serialized_start=1331
+  _globals['_TOKENOUTPUT']._serialized_end=1394
+  _globals['_STEPREQUEST']._serialized_start=1397
+  _globals['_STEPREQUEST']._serialized_end=1641
+  _globals['_STEPRESULT']._serialized_start=1644
+  _globals['_STEPRESULT']._serialized_end=1844
+  _globals['_HEALTHRESULT']._serialized_start=1846
+  _globals['_HEALTHRESULT']._serialized_end=1924
+  _globals['_METRICSRESULT']._serialized_start=1926
+  _globals['_METRICSRESULT']._serialized_end=2030
+  _globals['_FAULT']._serialized_start=2032
+  _globals['_FAULT']._serialized_end=2068
+  _globals['_LOADCALL']._serialized_start=2070
+  _globals['_LOADCALL']._serialized_end=2142
+  _globals['_LOADRESPONSE']._serialized_start=2144
+  _globals['_LOADRESPONSE']._serialized_end=2260
+  _globals['_CAPABILITIESRESPONSE']._serialized_start=2263
+  _globals['_CAPABILITIESRESPONSE']._serialized_end=2401
+  _globals['_STEPCALL']._serialized_start=2403
+  _globals['_STEPCALL']._serialized_end=2475
+  _globals['_CANCELCALL']._serialized_start=2477
+  _globals['_CANCELCALL']._serialized_end=2585
+  _globals['_RELEASECALL']._serialized_start=2587
+  _globals['_RELEASECALL']._serialized_end=2639
+  _globals['_INJECTFAULTCALL']._serialized_start=2641
+  _globals['_INJECTFAULTCALL']._serialized_end=2712
+  _globals['_SHARDENGINESERVICE']._serialized_start=3176
+  _globals['_SHARDENGINESERVICE']._serialized_end=4005
 # @@protoc_insertion_point(module_scope)
