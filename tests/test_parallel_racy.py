@@ -27,11 +27,13 @@ def fuzzed(engine: object, seed: int, examples: int, concurrency: int) -> FuzzRe
 @pytest.mark.parametrize("engine", RACY, ids=lambda engine: engine.__name__)
 def test_a_racy_engine_is_found_with_two_lanes(engine: type[RacyEngine]) -> None:
     # Whether a race shows depends on how the threads were scheduled, so one seed may miss
-    # it on a busy machine; a second seed is the allowance (the bench reports five).
-    result = fuzzed(engine, 1, 300, 2)
-    if result.failure is None:
-        result = fuzzed(engine, 2, 300, 2)
-    assert result.failure is not None, f"{engine.__name__} ({engine.RACE}) not found at seeds 1 and 2"
+    # it on a busy machine: the first of seeds 1-3 that finds it counts (the bench reports
+    # the rate over five; the last-slot race was found at 3 of 5 seeds in 200 examples).
+    for seed in (1, 2, 3):
+        result = fuzzed(engine, seed, 300, 2)
+        if result.failure is not None:
+            break
+    assert result.failure is not None, f"{engine.__name__} ({engine.RACE}) not found at seeds 1-3"
     assert result.failure.violation.property in engine.PROPERTIES, result.failure.violation.message
     assert result.failure.records[-1].action.op == "parallel"
 

@@ -1,10 +1,11 @@
 """The rules of the parallel phase, added only to a machine built with ``concurrency`` of 2
 or more (a machine without them draws exactly the examples it drew before).
 
-``lane_step`` adds one step to a lane and runs nothing; ``run_lanes`` sends every lane to
-the engine at the same time (``shardkit._parallel.phase``), and nothing runs after it: the
-example ends there. Each step is three small integers, like a sequential rule's, so
-shrinking deletes lane steps one by one and lowers what is left.
+``lane_step`` (and ``lane_decode``) adds one step to a lane and runs nothing; ``run_lanes``
+makes the lanes' steps concrete from the sessions' state and sends every lane to the engine
+at the same time (``shardkit._parallel.phase``), and nothing runs after it: the example ends
+there. Each step is a few small integers, like a sequential rule's, so shrinking deletes
+lane steps one by one and lowers what is left.
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def parallel_rules(concurrency: int) -> dict[str, Callable[..., Any]]:
 
     @step_rule(lane=st.integers(0, concurrency - 1), op=st.integers(0, LANE_OP_CHOICES - 1), session=st.integers(0, 7))
     def lane_step(self: ShardMachine, lane: int, op: int, session: int) -> None:
-        """Add a step to a lane (``LANE_OPS``, and a decode or an opening for ``op`` past them); ``lane`` 0 is the next lane in turn (so the
-        simplest phase has a step in every lane), 1 the one after. The step is derived when
-        the phase starts (``lane_actions``), from the model's state then: the sequential
-        steps drawn in between would leave a step derived now stale."""
+        """Add a step to a lane (``LANE_OPS``, and a decode or an opening for ``op`` past
+        them); ``lane`` 0 is the next lane in turn (so the simplest phase has a step in
+        every lane), 1 the one after. The step is derived when the phase starts
+        (``lane_actions``), from the model's state then: the sequential steps drawn in
+        between would leave a step derived now stale."""
         _add(self, lane, op, session)
 
     @step_rule(lane=st.integers(0, concurrency - 1), session=st.integers(0, 7))

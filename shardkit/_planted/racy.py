@@ -133,6 +133,8 @@ class CancelFreesUnderARunningStep(RacyEngine):
     step writes its result back (freed cache written into, a slot taken twice)."""
 
     RACE = "runs its calls without a lock: a cancel or release during a step's compute is overwritten when it writes back"
+    #: Its dictionaries change under a running call too, which may raise instead.
+    PROPERTIES = (LINEARIZABILITY, "unexplained exception")
 
     def __init__(self) -> None:
         super().__init__()
