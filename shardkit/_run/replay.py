@@ -60,7 +60,7 @@ DEFAULT_REPLAY_RUNS = 20
 class ReplayResult:
     """What a replay found: the steps of one run and the violation they ended in (the first
     run that violated the recorded property, else the first that violated another, else
-    the last run), with how many runs there were and how many reproduced."""
+    the first run), with how many runs there were and how many reproduced."""
 
     trace: Trace
     records: tuple[StepRecord, ...]
