@@ -148,14 +148,6 @@ def fuzz_with_lanes(engine: Any, seed: int, examples: int) -> Any:
     return run_machine(machine, run_settings, seed=seed, out=None, minimize=False)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_a_machine_with_lanes_finds_the_lost_update(seed: int) -> None:
-    result = fuzz_with_lanes(DecodeCounterRaces, seed, 300)
-    assert result.failure is not None, f"not found in {result.examples} examples at seed {seed}"
-    assert result.failure.violation.property == LINEARIZABILITY
-    assert result.coverage[("parallel", "FAILED")] == 1
-
-
 class RecordsItsCallers(LockedFake):
     """Remembers the threads that decoded on it, in a set shared by every instance."""
 
@@ -166,10 +158,11 @@ class RecordsItsCallers(LockedFake):
         return super().decode(request)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_a_machine_with_lanes_never_flags_a_thread_safe_engine(seed: int) -> None:
+def test_a_machine_with_lanes_never_flags_a_thread_safe_engine() -> None:
+    """The machine's lanes really run on threads of their own (finding races is
+    tests/test_parallel_racy.py's, never flagging the fake at ten seeds too)."""
     RecordsItsCallers.callers.clear()
-    result = fuzz_with_lanes(RecordsItsCallers, seed, 100)
+    result = fuzz_with_lanes(RecordsItsCallers, 1, 60)
     assert result.failure is None, result.failure.violation.message if result.failure else ""
     assert {"shardkit-lane-0", "shardkit-lane-1"} <= RecordsItsCallers.callers  # the lanes did run
 

@@ -41,13 +41,16 @@ from shardkit.errors import ContractViolation, InvalidTarget
 __all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
 
 
+BUNDLED_PLANTED = "shardkit._planted"
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     examples: int = DEFAULT_EXAMPLES
     steps: int = DEFAULT_STEPS
     seed: int = 1
     #: The planted-bug engines ship with the package (private), so bench runs from an installed wheel.
-    planted_module: str | None = "shardkit._planted"
+    planted_module: str | None = BUNDLED_PLANTED
     #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process
     #: (``--memory``); empty: not measured (a 3 000-example run takes minutes).
     memory_examples: tuple[int, ...] = ()
@@ -270,15 +273,17 @@ def _planted_run(config: BenchSettings, module: Any, engine: Any, seed: int) -> 
 
 
 def _concurrency(config: BenchSettings) -> dict[str, Any]:
-    """Throughput of the fake with lanes of calls at once (faults on), and (unless
-    ``--planted none``) how soon each racy planted engine is found with two lanes, how short
+    """Throughput of the fake with lanes of calls at once (faults on), and (with the bundled
+    planted engines) how soon each racy planted engine is found with two lanes, how short
     its failure came out and how many lane steps the failing phase kept."""
     throughput = {}
     for lanes in range(1, MAX_CONCURRENCY + 1):
         result = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes)
         throughput[str(lanes)] = {"steps_per_s": round(result.steps / result.elapsed_s, 1), "steps": result.steps}
     racy: list[dict[str, Any]] = []
-    for engine in RACY if config.planted_module is not None else ():
+    # The racy engines are the bundled planted module's: another module (--planted) or
+    # none leaves them out, as it leaves out the bundled sequential ones.
+    for engine in RACY if config.planted_module == BUNDLED_PLANTED else ():
         runs = []
         for seed in _planted_seeds(config):
             started = time.perf_counter()
@@ -452,7 +457,10 @@ def render(bench: dict[str, Any]) -> str:
         rates = concurrency["steps_per_s_by_lanes"]
         cells = ", ".join(f"{row['steps_per_s']:,.0f} with {lanes}" for lanes, row in rates.items())
         lines.append(f"concurrency (fake, faults on): steps/s by lanes: {cells} (1: no lanes)")
-        lines.append("  racy engines, --concurrency 2 --faults none (examples to the first failure; shrunk steps/lane steps):")
+        if not concurrency["racy"]:
+            lines.append("  racy engines: measured with the bundled planted engines only (--planted shardkit._planted)")
+        else:
+            lines.append("  racy engines, --concurrency 2 --faults none (examples to the first failure; shrunk steps/lane steps):")
         for row in concurrency["racy"]:
             runs = row["runs"]
             cells = " ".join(
