@@ -59,11 +59,7 @@ def test_the_thread_safe_fake_is_never_flagged(seed: int) -> None:
 def test_the_bundled_engines_declare_concurrent_calls() -> None:
     for engine in (FakeShardEngine(), NumpyShardEngine(), PipelineEngine()):
         assert engine.capabilities().concurrent_calls, type(engine).__name__
-    assert not EngineCapabilities(**{**_fields(FakeShardEngine().capabilities()), "concurrent_calls": False}).concurrent_calls
-
-
-def _fields(caps: EngineCapabilities) -> dict[str, object]:
-    return {name: getattr(caps, name) for name in caps.__dataclass_fields__}
+    assert not replace(FakeShardEngine().capabilities(), concurrent_calls=False).concurrent_calls
 
 
 def test_concurrent_calls_must_be_a_bool_and_crosses_the_wire() -> None:

@@ -11,7 +11,7 @@ wraps does: the claim is the bug.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import ClassVar
 
@@ -120,13 +120,6 @@ class LastSlotCheckThenAct(RacyEngine):
         return status
 
 
-class _NoLock(nullcontext[None]):
-    """A lock that locks nothing: the fake's calls then overlap freely."""
-
-    def __enter__(self) -> None:
-        return None
-
-
 class CancelFreesUnderARunningStep(RacyEngine):
     """The fake without its lock, giving up the interpreter while it computes a step: a
     cancel, release or second opening that lands meanwhile is undone or doubled when the
@@ -138,8 +131,7 @@ class CancelFreesUnderARunningStep(RacyEngine):
 
     def __init__(self) -> None:
         super().__init__()
-        unlocked: AbstractContextManager[None] = _NoLock()
-        self.inner._calls = unlocked  # type: ignore[assignment]
+        self.inner._calls = nullcontext()  # type: ignore[assignment]  # a lock that locks nothing
         compute = self.inner.forward
 
         def forward_yielding(cache: list[bytes], step: StepInput) -> tuple[list[bytes], object]:
