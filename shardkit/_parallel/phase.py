@@ -20,7 +20,7 @@ from shardkit._core.checks import metrics_text
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.outcomes import StepRecord, Violation, raised, status_text
 from shardkit._core.steps import PARALLEL_OP, Action, build_request, phase_action
-from shardkit._core.targets import passes_through
+from shardkit._core.targets import ProcessDeath, passes_through
 from shardkit._parallel.lanes import Raised, run_lanes
 from shardkit._parallel.linearize import DEFAULT_MAX_STATES, Linearization, TimedStep, linearize
 from shardkit._parallel.observed import ObservedCall, apply_call, model_key
@@ -60,14 +60,19 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
         raise ValueError(message)
     ran = run_lanes([[_call(driver, action) for action in lane] for lane in lanes])
     actions = {(timed.lane, timed.index): lanes[timed.lane][timed.index] for timed in ran}
-    calls = [_checked(driver, timed, actions) for timed in ran]
+    _check_for_death(driver, ran, actions)
+    calls = [_checked(driver, timed, actions, ran) for timed in ran]
+    shown = _lanes_text(ran, actions)
     last = max((timed.ended for timed in calls), default=-1)
     try:
         metrics = driver.raw_engine.metrics()
     except Exception as error:  # the engine's exception is a finding; the kit's own pass through
-        _fail(driver, "unexplained exception", f"metrics() after the lanes raised {raised(error)}", calls)
+        death = driver.target.isolation.death(error) if driver.target.isolation is not None else None
+        if death is not None:
+            _died(driver, death, ["metrics() after the lanes"], shown)
+        _fail(driver, "unexplained exception", f"metrics() after the lanes raised {raised(error)}", shown)
     if not isinstance(metrics, MetricsResult):
-        _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", calls)
+        _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", shown)
     after = TimedStep(len(lanes), 0, last + 1, last + 2, ObservedCall("metrics", metrics))
     found = linearize([*calls, after], driver.model, apply_call, model_key)
     if found.unknown:
@@ -77,7 +82,7 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
         )
         return []
     if found.order is None:
-        _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), calls)
+        _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), shown)
     records = []
     for timed in found.order:
         if timed.lane == len(lanes):
@@ -89,7 +94,7 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
             records.append(driver.execute_answered(action, answer))
         except StepFailed as failed:
             order = ", ".join(step.name for step in found.order if step.lane < len(lanes))
-            context = f"{_lanes_text(calls, len(lanes))}\n  taken in the order {order}, which explains every status"
+            context = f"{shown}\n  taken in the order {order}, which explains every status"
             # The step is named by its lane: the phase is one step of the failing sequence.
             judged = failed.violation.message.replace(f"step {failed.record.index}: ", f"{timed.name}: ", 1)
             raise StepFailed(Violation(failed.violation.property, f"{context}\n{judged}"), failed.record) from None
@@ -109,47 +114,100 @@ def _call(driver: Driver, action: Action) -> Callable[[], ObservedCall]:
     return lambda: ObservedCall("release", engine.release(session_id), session_id=session_id)
 
 
+def _check_for_death(
+    driver: Driver, ran: list[TimedStep[ObservedCall | Raised[ObservedCall]]], actions: dict[tuple[int, int], Action]
+) -> None:
+    """An isolated engine's process that died during the lanes (a signal, an exit, a missed
+    deadline, a garbage answer) is the failure a sequential step gets for it, naming the
+    calls it left without an answer: which of those that overlapped killed it, the kit
+    cannot tell. Each lane's later calls, which found the process gone, are not named, and
+    no call that failed with the process is reported as a failure of its own."""
+    failed = [(timed, timed.step.error) for timed in ran if isinstance(timed.step, Raised)]
+    for _, error in failed:
+        if passes_through(error):
+            raise error
+    isolation = driver.target.isolation
+    if isolation is None:
+        return
+    unanswered: dict[int, str] = {}
+    death = None
+    # The earliest failure first: it says how the process ended (a later one may only have found it gone).
+    for timed, error in sorted(failed, key=lambda pair: pair[0].started):
+        found = isolation.death(error)
+        if found is not None:
+            death = death or found
+            unanswered.setdefault(timed.lane, f"{timed.name} {actions[timed.lane, timed.index].describe()}")
+    if death is not None:
+        shown = _lanes_text(ran, actions, died=True)
+        _died(driver, death, [unanswered[lane] for lane in sorted(unanswered)], shown)
+
+
+def _died(driver: Driver, death: ProcessDeath, unanswered: list[str], calls: str) -> NoReturn:
+    """The death as a sequential step's (``Driver._death_failure``), the phase as its step."""
+    index = len(driver.records) + 1
+    observed = f"engine process {death.summary} during step {index}, a parallel phase: no answer to {' nor to '.join(unanswered)}"
+    tail = death.quoted_tail()
+    detail = f"its output ended with:{tail}" if tail else "it printed nothing"
+    message = f"{calls}\n  expected: an answer\n  observed: {observed}\n  {detail}"
+    record = StepRecord(index, Action(PARALLEL_OP), "an answer", observed, "FAILED")
+    raise StepFailed(Violation(death.property, message), record)
+
+
 def _checked(
-    driver: Driver, timed: TimedStep[ObservedCall | Raised[ObservedCall]], actions: dict[tuple[int, int], Action]
+    driver: Driver,
+    timed: TimedStep[ObservedCall | Raised[ObservedCall]],
+    actions: dict[tuple[int, int], Action],
+    ran: list[TimedStep[ObservedCall | Raised[ObservedCall]]],
 ) -> TimedStep[ObservedCall]:
-    """The call as answered, or the failure of a call that raised or answered the wrong type."""
+    """The call as answered, or the failure of a call that raised or answered the wrong type
+    (shown with every lane: what the other calls answered meanwhile is the evidence)."""
     outcome = timed.step
     name = f"{timed.name} {actions[timed.lane, timed.index].describe()}"
     if isinstance(outcome, Raised):
         if passes_through(outcome.error):
             raise outcome.error
-        driver_failure = f"{name} raised {raised(outcome.error)}"
-        _fail(driver, "unexplained exception", driver_failure, [])
+        _fail(driver, "unexplained exception", f"{name} raised {raised(outcome.error)}", _lanes_text(ran, actions))
     assert isinstance(outcome, ObservedCall)
     wanted = StepResult if outcome.request is not None else StructuredStatus
     if not isinstance(outcome.answer, wanted):
-        _fail(driver, "§1 return type", f"{name} returned {outcome.answer!r}, not a {wanted.__name__}", [])
+        what = f"{name} returned {outcome.answer!r}, not a {wanted.__name__}"
+        _fail(driver, "§1 return type", what, _lanes_text(ran, actions))
     return TimedStep(timed.lane, timed.index, timed.started, timed.ended, outcome)
 
 
-def _fail(driver: Driver, prop: str, what: str, calls: list[TimedStep[ObservedCall]]) -> NoReturn:
+def _fail(driver: Driver, prop: str, what: str, shown: str) -> NoReturn:
     """``run_parallel`` records the phase itself as the failing step."""
-    lanes = max((timed.lane for timed in calls), default=-1) + 1
-    message = f"{_lanes_text(calls, lanes)}\n  {what}" if calls else f"  {what}"
+    message = f"{shown}\n  {what}"
     raise StepFailed(Violation(prop, message), StepRecord(len(driver.records) + 1, Action(PARALLEL_OP), "", what, "FAILED"))
 
 
-def _answer_text(call: ObservedCall) -> str:
-    answer = call.answer
+def _answer_text(answer: object) -> str:
     if isinstance(answer, StepResult):
         return status_text(answer.status, answer.cache)
     if isinstance(answer, StructuredStatus):
         return status_text(answer)
-    return metrics_text(answer)
+    if isinstance(answer, MetricsResult):
+        return metrics_text(answer)
+    return repr(answer)
 
 
-def _lanes_text(calls: list[TimedStep[ObservedCall]], lanes: int) -> str:
-    """The lanes side by side: each call with the ticks it started and ended at."""
+def _lanes_text(
+    ran: Sequence[TimedStep[ObservedCall] | TimedStep[ObservedCall | Raised[ObservedCall]]],
+    actions: dict[tuple[int, int], Action],
+    *,
+    died: bool = False,
+) -> str:
+    """The lanes side by side: each call with the ticks it started and ended at and what it
+    answered (what it raised; nothing, if the engine's process ``died``)."""
+    lanes = max((timed.lane for timed in ran), default=-1) + 1
     rows = []
-    for lane in range(lanes):
-        for timed in sorted((timed for timed in calls if timed.lane == lane), key=lambda timed: timed.index):
-            call = timed.step
-            rows.append(f"  {timed.name} [{timed.started}-{timed.ended}] {call.describe()} → {_answer_text(call)}")
+    for timed in sorted(ran, key=lambda timed: (timed.lane, timed.index)):
+        call = timed.step
+        if isinstance(call, ObservedCall):
+            said = f"{call.describe()} → {_answer_text(call.answer)}"
+        else:
+            said = f"{actions[timed.lane, timed.index].describe()} → {'no answer' if died else f'raised {raised(call.error)}'}"
+        rows.append(f"  {timed.name} [{timed.started}-{timed.ended}] {said}")
     return f"parallel phase, {lanes} lanes at the same time (ticks of one clock: [started-ended]):\n" + "\n".join(rows)
 
 

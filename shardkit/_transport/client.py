@@ -18,7 +18,8 @@ For the kit (engines built by ``remote_target``), losing the server is not a fin
 the engine: a call that finds the server gone, or the engine evicted by it, raises
 ``EngineLost`` instead, which ends the run at once with an error naming the address.
 
-Connections are shared per address (one channel, one handshake). An engine that is
+Connections are shared per address (one channel, one handshake), and may be called
+through from several threads at once, as a parallel phase does. An engine that is
 closed, or garbage-collected, is dropped on the server: ``close()`` does it at once,
 garbage collection queues it for the connection's next ``NewEngine`` (a finalizer must
 not make a blocking call).
@@ -116,6 +117,9 @@ class _Connection:
         self.target = ""
         self.server_id = ""
         self.closed = False
+        #: Guards what engines on this connection share (the server's identity, the
+        #: CloseEngine calls in flight): any number of threads may call through it at once.
+        self._lock = threading.Lock()
 
     def call(self, operation: str, rpc: str, request: Any, timeout: float, *, wait_for_ready: bool = False) -> Any:
         if self.closed:
@@ -180,20 +184,33 @@ class _Connection:
                 f"the server speaks {response.protocol_version!r}"
             )
             raise RemoteProtocolError(message, address=self.url, operation="handshake")
-        self.server, self.target, self.server_id = response.server, response.target, response.server_id
+        with self._lock:
+            self.server, self.target, self.server_id = response.server, response.target, response.server_id
 
     def new_engine(self, timeout: float) -> int:
-        while self.to_close:
+        while True:
+            # Another thread may take the last id between a check and a pop: pop, then check.
+            try:
+                engine_id = self.to_close.popleft()
+            except IndexError:
+                break
             # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
             # future is kept until done, since gRPC cancels a call whose future is collected.
-            closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=self.to_close.popleft()), timeout=timeout)
-            self.closing.add(closing)
-            closing.add_done_callback(self.closing.discard)
+            closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=engine_id), timeout=timeout)
+            with self._lock:
+                self.closing.add(closing)
+            closing.add_done_callback(self._closed_one)
         response = self.call("NewEngine", "NewEngine", pb.NewEngineRequest(), timeout)
-        if response.server_id != self.server_id:
+        with self._lock:
+            known = self.server_id
+        if response.server_id != known:
             # The channel reconnected to another server on this address: check it speaks our version.
             self.handshake(timeout, wait_for_ready=False)
         return int(response.engine_id)
+
+    def _closed_one(self, closing: Any) -> None:
+        with self._lock:
+            self.closing.discard(closing)
 
     def close(self) -> None:
         self.closed = True
@@ -291,6 +308,13 @@ class RemoteShardEngine(ShardEngine):
     starting instead of failing at once when nothing listens yet. ``loss_ends_run`` (what
     ``remote_target`` sets) makes a call that finds the server gone, or this engine evicted,
     raise ``EngineLost`` rather than ``RemoteUnavailable``/``RemoteEngineEvicted``.
+
+    Any number of threads may call one engine at once: it keeps no state of its own between
+    calls (no counter, no cached capabilities or metrics), and the connection it shares is
+    safe to call through from several threads. Whether the calls may overlap on the
+    server is the served engine's to say: ``capabilities()`` passes its
+    ``concurrent_calls`` through, and ``shardkit serve`` runs the calls of an engine that
+    does not declare it one at a time.
     """
 
     def __init__(

@@ -13,6 +13,11 @@ recently used engine is dropped, and a later call naming it is answered with
 ``FAILED_PRECONDITION``, details saying it was evicted and why, and the trailing metadata
 ``shardkit-engine-evicted``. Messages are limited to ``codec.MAX_MESSAGE_BYTES`` both ways.
 
+An engine's calls run one at a time until the engine declares ``concurrent_calls`` in its
+answer to ``capabilities()``, and as they arrive from then on (``_Slot``): a kit fuzzing a
+served engine with ``--concurrency`` then sees its races, and an engine that never declared
+it is never called from two threads at once.
+
 An exception raised by an engine is a process death for the kit: the server answers
 the call with gRPC status ``INTERNAL``, details ``"TypeName: message"`` (with any
 notes) and the trailing metadata ``shardkit-exception-type``. ``EngineError`` from
@@ -24,14 +29,15 @@ the exception, as a native engine's process would die (see ``worker.py``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import threading
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn, TextIO, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
@@ -40,7 +46,14 @@ from shardkit._core.targets import EngineFactory, ResolvedTarget
 from shardkit._transport import codec
 from shardkit._transport.resolve import resolve_target
 from shardkit._version import __version__
-from shardkit.contract import DecodeRequest, EngineError, FaultInjectable, PrefillRequest, ShardEngine
+from shardkit.contract import (
+    DecodeRequest,
+    EngineCapabilities,
+    EngineError,
+    FaultInjectable,
+    PrefillRequest,
+    ShardEngine,
+)
 from shardkit.errors import ShardkitError
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
@@ -61,13 +74,53 @@ T = TypeVar("T")
 DEFAULT_MAX_ENGINES = 256
 #: Evicted engine ids remembered, to answer "evicted" rather than "unknown" (bounded too).
 _EVICTED_REMEMBERED = 4096
+#: Threads answering calls. A kit's parallel phase keeps at most 3 calls in flight on one
+#: engine (3 lanes), plus the closing of dropped engines; calls beyond the threads wait
+#: their turn in gRPC's queue, so this bounds overlap, never correctness.
 _WORKERS = 8
 
 
-@dataclass
 class _Slot:
-    engine: ShardEngine
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    """One served engine, and when its calls may run.
+
+    An engine is called one call at a time until it declares ``concurrent_calls=True`` in an
+    answer to ``capabilities()`` (the kit asks right after ``load``, before any parallel
+    phase); from then on its calls run as they arrive, so that a kit fuzzing it with
+    ``--concurrency`` sees its races. Every ``capabilities()`` answer counts: an engine that
+    takes the declaration back is called one at a time again, and its next call waits until
+    the calls already running have finished. An answer that is not an ``EngineCapabilities``
+    counts as no declaration.
+    """
+
+    def __init__(self, engine: ShardEngine) -> None:
+        self.engine = engine
+        #: What the engine's last ``capabilities()`` answer declared (nothing yet: one at a time).
+        self.concurrent = False
+        self._turns = threading.Condition()
+        self._running = 0
+        self._alone = False  # the call running holds the engine alone
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the engine for one call: alone, unless it declared ``concurrent_calls``."""
+        with self._turns:
+            alone = not self.concurrent
+            self._turns.wait_for(lambda: self._running == 0 if alone else not self._alone)
+            self._running += 1
+            self._alone = alone
+        try:
+            yield
+        finally:
+            with self._turns:
+                self._running -= 1
+                self._alone = False
+                self._turns.notify_all()
+
+    def declare(self, capabilities: object) -> None:
+        """Learn from a ``capabilities()`` answer whether calls may overlap."""
+        concurrent = isinstance(capabilities, EngineCapabilities) and capabilities.concurrent_calls is True
+        with self._turns:
+            self.concurrent = concurrent
 
 
 def _abort(context: Any, code: Any, details: str) -> NoReturn:
@@ -76,7 +129,9 @@ def _abort(context: Any, code: Any, details: str) -> NoReturn:
 
 
 class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
-    """The service: engines built from ``target``, keyed by id; one call at a time per engine."""
+    """The service: engines built from ``target``, keyed by id. An engine's calls run one at
+    a time unless it declared ``concurrent_calls`` (see ``_Slot``); calls to different
+    engines may overlap."""
 
     def __init__(
         self,
@@ -173,7 +228,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
             return caps if isinstance(engine, FaultInjectable) else replace(caps, supported_faults=frozenset())
 
         try:
-            caps = self._run(call.engine_id, context, "capabilities", capabilities, EngineError)
+            caps = self._run(call.engine_id, context, "capabilities", capabilities, EngineError, declares=True)
         except EngineError as refusal:
             return pb.CapabilitiesResponse(error=codec.status_to_pb(refusal.status))
         encoded = self._encode(context, "capabilities", lambda: codec.capabilities_to_pb(caps))
@@ -246,8 +301,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         operation: str,
         call: Callable[[ShardEngine], T],
         passes: type[BaseException] | None = None,
+        *,
+        declares: bool = False,
     ) -> T:
-        """Run ``call`` on the engine; an exception (other than ``passes``) aborts with INTERNAL."""
+        """Run ``call`` on the engine in its turn (``_Slot.turn``); an exception (other than
+        ``passes``) aborts with INTERNAL. ``declares``: the answer is the engine's capabilities,
+        which say, before the turn ends, whether its next calls may overlap."""
         with self._lock:
             slot = self._engines.get(engine_id)
             if slot is not None:
@@ -264,13 +323,17 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         if slot is None:
             details = f"no engine {engine_id} on this server (closed, or the server restarted); call NewEngine"
             _abort(context, grpc.StatusCode.NOT_FOUND, details)
-        with slot.lock:
+        with slot.turn():
             try:
-                return call(slot.engine)
+                result = call(slot.engine)
             except Exception as error:
                 if passes is not None and isinstance(error, passes):
                     raise
                 failure = error
+            else:
+                if declares:
+                    slot.declare(result)
+                return result
         self._report(f"engine {engine_id}: {operation}", failure)
         self._die_if_fatal(failure)
         context.set_trailing_metadata([(codec.EXCEPTION_TYPE_KEY, _ascii(type(failure).__qualname__))])

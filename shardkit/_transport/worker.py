@@ -294,13 +294,15 @@ class WorkerPool:
 
 
 def _engine_thread(lines: list[str]) -> tuple[str, ...]:
-    """From a dump of every thread's stack, the thread running an engine call (innermost first)."""
+    """From a dump of every thread's stack, the thread running an engine call (innermost first).
+
+    Several threads may be in a call (the lanes of a parallel phase): one running the engine
+    is shown before one waiting for its turn (``_Slot.turn``) behind it."""
     starts = [index for index, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))]
-    for start, end in zip(starts, [*starts[1:], len(lines)]):  # noqa: B905 - the second is one longer
-        block = lines[start:end]
-        if any("server.py" in line and " in _run" in line for line in block):
-            return tuple(block[:TAIL_LINES])
-    return ()
+    blocks = [lines[start:end] for start, end in zip(starts, [*starts[1:], len(lines)])]  # noqa: B905 - one longer
+    calls = [block for block in blocks if any("server.py" in line and " in _run" in line for line in block)]
+    running = [block for block in calls if not any("server.py" in line and " in turn" in line for line in block)]
+    return tuple((running or calls or [[]])[0][:TAIL_LINES])
 
 
 def _signal_name(number: int) -> str:
