@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardkit import __version__
+from shardkit._cli import bench
 from shardkit._cli.main import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -397,9 +400,18 @@ def test_fuzz_prints_nothing_on_stderr_without_a_terminal(capsys: pytest.Capture
     assert capsys.readouterr().err == ""
 
 
-def test_bench_json_prints_one_object_with_the_throughput_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--json", "--examples", "5", "--steps", "5", "--planted", "none"]) == 0
-    figures = json.loads(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def bench_json_without_planted() -> str:
+    """What ``shardkit bench --json`` prints at 5 examples × 5 steps with ``--planted none``:
+    every other section measured, once for the tests that read it."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", "--json", "--examples", "5", "--steps", "5", "--planted", "none"]) == 0
+    return printed.getvalue()
+
+
+def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_without_planted: str) -> None:
+    figures = json.loads(bench_json_without_planted)
     assert {"kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "per_role", "planted", "peak_rss_mb"} <= set(
         figures
     )
@@ -410,6 +422,44 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(capsys: pytest
     assert figures["planted"].startswith("skipped")
 
 
+def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_planted: str) -> None:
+    """The tables ``shardkit bench`` prints without ``--json`` are ``render`` of these figures:
+    each measured section comes out as its table, none as "not measured" (the planted table's
+    own test, below, measures the planted section alone)."""
+    table = bench.render(json.loads(bench_json_without_planted))
+    assert "throughput, 5 examples × 5 steps, seed 1 (fake engine, faults on):" in table
+    for role in ("full", "head", "middle", "tail"):
+        assert re.search(rf"^  {role} +[\d,]+ +[\d,]+ +\d+\.\d\d +\d+%$", table, re.MULTILINE), table
+    assert "engines (full role, faults on):" in table
+    for engine in ("fake", "numpy"):
+        assert re.search(rf"^  {engine} +[\d,]+ kit steps/s, one decode step ", table, re.MULTILINE), table
+    assert "out of process (fake, same seed: the same steps):" in table
+    assert re.search(
+        r"^  isolated, faults all +[\d,]+ steps/s  x\d+\.\d slower  \(\d+ steps, \d+ worker", table, re.MULTILINE
+    ), table
+    assert "planted bugs: skipped (--planted none)" in table
+    assert "concurrency (fake, faults on): steps/s by lanes: " in table
+    assert "memory: not measured (shardkit bench --memory)" in table
+    assert re.search(r"^peak RSS [\d.]+ MB; bench took [\d.]+ s$", table, re.MULTILINE), table
+    assert bench.NOT_MEASURED not in table
+
+
+@pytest.fixture
+def planted_section_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shardkit bench`` as the command runs it (its parser, its checks of ``--planted``, the
+    settings it builds from the options, its printing), measuring the planted section alone
+    (``run_bench``'s ``sections``): the others take a minute or more even at 20 examples, and
+    the tests of the planted figures read none of them (the two tests above do)."""
+    monkeypatch.setattr(bench, "run_bench", functools.partial(bench.run_bench, sections=("planted",)))
+
+
+def test_bench_refuses_a_section_it_does_not_have_before_measuring() -> None:
+    """A misspelt section is an error, not a bench that silently measures less than it was asked to."""
+    with pytest.raises(ValueError, match=r"unknown bench sections \['plants'\]; the sections are throughput, "):
+        bench.run_bench(bench.BenchSettings(), sections=("planted", "plants"))
+
+
+@pytest.mark.usefixtures("planted_section_only")
 def test_bench_reports_each_planted_engine_of_a_module_at_each_seed(capsys: pytest.CaptureFixture[str]) -> None:
     """The full planted suite is the self-test's (test_machine.py); two engines show the bench's columns."""
     arguments = ["bench", "--json", "--examples", "30", "--steps", "30", "--planted", "tests.planted_sample"]
@@ -427,6 +477,7 @@ def test_bench_reports_each_planted_engine_of_a_module_at_each_seed(capsys: pyte
     assert [row["caught_by_contract"] for row in rows] == [False, False]
 
 
+@pytest.mark.usefixtures("planted_section_only")
 def test_bench_prints_the_planted_table_with_one_length_per_seed(capsys: pytest.CaptureFixture[str]) -> None:
     arguments = ["bench", "--examples", "20", "--steps", "20", "--planted", "tests.planted_sample"]
     assert main([*arguments, "--planted-seeds", "3"]) == 0
@@ -539,18 +590,20 @@ def test_a_module_target_found_nowhere_is_still_a_one_line_usage_error(tmp_path:
 
 
 def test_an_isolated_run_and_its_printed_rerun_line_work_from_the_current_folder(tmp_path: Path) -> None:
-    """The worker process imports the target by name too: it must see the current folder."""
+    """The worker process imports the target by name too: it must see the current folder.
+    (FailedCallsNotCounted: its one-step failure shrinks in a few seconds over the worker's
+    socket, where ReleaseLeaksKvTokens' took ten; any ``tests.planted`` target shows the import.)"""
     pytest.importorskip("grpc")
-    argv = ["fuzz", "tests.planted:ReleaseLeaksKvTokens", "--isolate", "--faults", "none", "--seed", "3"]
+    argv = ["fuzz", "tests.planted:FailedCallsNotCounted", "--isolate", "--faults", "none", "--seed", "3"]
     first = console(*argv, "--out", str(tmp_path / "first"), cwd=REPO_ROOT)
     assert first.returncode == 1, first.stdout + first.stderr
-    assert "FAILURE (§2 metrics) in 2 steps:" in first.stdout
+    assert "FAILURE (§2 metrics) in 1 step:" in first.stdout
     rerun = next(line for line in first.stdout.splitlines() if line.startswith("  the whole run:"))
     command = shlex.split(rerun.partition(":")[2])
     assert command[:2] == ["shardkit", "fuzz"], rerun
     again = console(*command[1:], "--out", str(tmp_path / "again"), cwd=REPO_ROOT)
     assert again.returncode == 1, again.stdout + again.stderr
-    assert "FAILURE (§2 metrics) in 2 steps:" in again.stdout
+    assert "FAILURE (§2 metrics) in 1 step:" in again.stdout
 
 
 @pytest.mark.parametrize(

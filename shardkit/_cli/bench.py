@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._planted.racy import RACY
+from shardkit._run.replay import replay
 from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
@@ -38,10 +39,25 @@ from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
 from shardkit.engines import FakeShardEngine
 from shardkit.errors import ContractViolation, InvalidTarget
 
-__all__ = ["BenchSettings", "bare_machine_like", "bare_steps_per_second", "render", "run_bench"]
+__all__ = [
+    "NOT_MEASURED",
+    "SECTIONS",
+    "BenchSettings",
+    "bare_machine_like",
+    "bare_steps_per_second",
+    "render",
+    "run_bench",
+]
 
 
 BUNDLED_PLANTED = "shardkit._planted"
+#: Replays of each racy engine's trace: a race reproduces on some runs only, so the rate is the figure.
+RACY_REPLAY_RUNS = 20
+
+#: The sections of a bench run, in the order they are measured (``run_bench``'s ``sections``).
+SECTIONS = ("throughput", "engines", "out_of_process", "planted", "concurrency", "memory")
+#: What a section left out by ``run_bench(..., sections=...)`` reports instead of its figures.
+NOT_MEASURED = "not measured in this run"
 
 
 @dataclass(frozen=True)
@@ -275,7 +291,8 @@ def _planted_run(config: BenchSettings, module: Any, engine: Any, seed: int) -> 
 def _concurrency(config: BenchSettings) -> dict[str, Any]:
     """Throughput of the fake with lanes of calls at once (faults on), and (with the bundled
     planted engines) how soon each racy planted engine is found with two lanes, how short
-    its failure came out and how many lane steps the failing phase kept."""
+    its failure came out, how many lane steps the failing phase kept (against the race's
+    ``MINIMUM``) and in how many of ``RACY_REPLAY_RUNS`` replays its trace reproduced."""
     throughput = {}
     for lanes in range(1, MAX_CONCURRENCY + 1):
         result = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes)
@@ -287,17 +304,23 @@ def _concurrency(config: BenchSettings) -> dict[str, Any]:
         runs = []
         for seed in _planted_seeds(config):
             started = time.perf_counter()
-            result = fuzz(
-                f"shardkit._planted.racy:{engine.__name__}",
-                seed=seed,
-                examples=config.examples,
-                steps=config.steps,
-                faults="none",
-                concurrency=2,
-            )
+            with tempfile.TemporaryDirectory(prefix="shardkit-bench-racy-") as folder:
+                result = fuzz(
+                    f"shardkit._planted.racy:{engine.__name__}",
+                    seed=seed,
+                    examples=config.examples,
+                    steps=config.steps,
+                    faults="none",
+                    concurrency=2,
+                    out=folder,
+                )
+                seconds = round(time.perf_counter() - started, 1)
+                replayed = replay(result.trace_path, runs=RACY_REPLAY_RUNS) if result.trace_path is not None else None
             failure = result.failure
             first_examples, first_seconds, _ = result.first_failure or (None, None, None)
             last = failure.records[-1].action if failure is not None else None
+            lane_steps = sum(len(lane) for lane in last.args["lanes"]) if last is not None and last.op == PARALLEL_OP else None
+            shrunk = _length(failure)
             runs.append(
                 {
                     "seed": seed,
@@ -305,11 +328,12 @@ def _concurrency(config: BenchSettings) -> dict[str, Any]:
                     "property": failure.violation.property if failure is not None else None,
                     "examples_to_first_failure": first_examples,
                     "seconds_to_first_failure": _rounded(first_seconds),
-                    "shrunk_length": _length(failure),
-                    "lane_steps": sum(len(lane) for lane in last.args["lanes"])
-                    if last is not None and last.op == PARALLEL_OP
-                    else None,
-                    "seconds": round(time.perf_counter() - started, 1),
+                    "shrunk_length": shrunk,
+                    "lane_steps": lane_steps,
+                    "at_minimum": (shrunk, lane_steps) == engine.MINIMUM,
+                    "replay_reproductions": replayed.reproductions if replayed is not None else None,
+                    "replay_runs": replayed.runs if replayed is not None else None,
+                    "seconds": seconds,
                 }
             )
         racy.append({"engine": engine.__name__, "race": engine.RACE, "runs": runs})
@@ -327,6 +351,7 @@ def _rounded(value: float | None) -> float | None:
 _MEMORY_PROBE = """
 import sys
 from shardkit import FakeShardEngine
+from shardkit._run.replay import replay
 from shardkit._run.runner import fuzz
 
 fuzz(FakeShardEngine, seed=int(sys.argv[1]), examples=int(sys.argv[2]), steps=int(sys.argv[3]))
@@ -361,15 +386,30 @@ def _memory(config: BenchSettings) -> dict[str, Any] | str:
     return peaks
 
 
-def run_bench(config: BenchSettings) -> dict[str, Any]:
+def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) -> dict[str, Any]:
+    """Measure each of ``sections`` (all of them by default, as ``shardkit bench`` always does).
+
+    A section left out reports ``NOT_MEASURED`` in place of its figures (the throughput
+    section's top-level figures are then ``None``), and ``render`` prints it so. This is for
+    callers that need one section's figures without minutes of the others, such as the CLI
+    tests of the planted table; the command itself has no option for it.
+    """
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
     started = time.perf_counter()
-    throughput = _throughput(config)
-    engines = _engines(config)
-    out_of_process = _out_of_process(config)
-    planted = _planted(config)
-    concurrency = _concurrency(config)
-    memory = _memory(config)
-    full = throughput["full"]
+
+    def measured(name: str, measure: Callable[[BenchSettings], Any]) -> Any:
+        return measure(config) if name in sections else NOT_MEASURED
+
+    throughput = measured("throughput", _throughput)
+    engines = measured("engines", _engines)
+    out_of_process = measured("out_of_process", _out_of_process)
+    planted = measured("planted", _planted)
+    concurrency = measured("concurrency", _concurrency)
+    memory = measured("memory", _memory)
+    headline = ("kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "long_session_share")
+    full = throughput["full"] if isinstance(throughput, dict) else dict.fromkeys(headline)
     return {
         "examples": config.examples,
         "steps": config.steps,
@@ -395,27 +435,37 @@ def _peak_rss_mb() -> float:
 
 
 def render(bench: dict[str, Any]) -> str:
-    lines = [
-        f"throughput, {bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']} (fake engine, faults on):",
-        f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}"
-        f" {f'examples with a {LONG_SESSION_DECODES}+ decode session':>36}",
-    ]
-    for role, row in bench["per_role"].items():
+    run_size = f"{bench['examples']} examples × {bench['steps']} steps, seed {bench['seed']}"
+    lines = []
+    per_role = bench["per_role"]
+    if isinstance(per_role, str):
+        lines.append(f"throughput, {run_size}: {per_role}")
+    else:
+        lines.append(f"throughput, {run_size} (fake engine, faults on):")
         lines.append(
-            f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
-            f" {row['long_session_share']:>36.0%}"
+            f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}"
+            f" {f'examples with a {LONG_SESSION_DECODES}+ decode session':>36}"
         )
-    lines.append("engines (full role, faults on):")
-    for name, row in bench["engines"].items():
-        if isinstance(row, str):
-            lines.append(f"  {name:<10} {row}")
-        else:
-            found = f"; FAILURE {row['failure']}" if row["failure"] else ""
+        for role, row in per_role.items():
             lines.append(
-                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs; "
-                f"longest session {row['longest_session_decodes']} decodes, "
-                f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
+                f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
+                f" {row['long_session_share']:>36.0%}"
             )
+    engines = bench["engines"]
+    if isinstance(engines, str):
+        lines.append(f"engines: {engines}")
+    else:
+        lines.append("engines (full role, faults on):")
+        for name, row in engines.items():
+            if isinstance(row, str):
+                lines.append(f"  {name:<10} {row}")
+            else:
+                found = f"; FAILURE {row['failure']}" if row["failure"] else ""
+                lines.append(
+                    f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs; "
+                    f"longest session {row['longest_session_decodes']} decodes, "
+                    f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
+                )
     out_of_process = bench["out_of_process"]
     if isinstance(out_of_process, str):
         lines.append(f"out of process: {out_of_process}")
@@ -460,15 +510,22 @@ def render(bench: dict[str, Any]) -> str:
         if not concurrency["racy"]:
             lines.append("  racy engines: measured with the bundled planted engines only (--planted shardkit._planted)")
         else:
-            lines.append("  racy engines, --concurrency 2 --faults none (examples to the first failure; shrunk steps/lane steps):")
+            lines.append(
+                "  racy engines, --concurrency 2 --faults none, per seed: examples to the first failure, "
+                f"shrunk steps/lane steps (* its minimum), replays that reproduced of {RACY_REPLAY_RUNS}:"
+            )
         for row in concurrency["racy"]:
             runs = row["runs"]
-            cells = " ".join(
-                f"{run['examples_to_first_failure']}:{run['shrunk_length']}/{run['lane_steps']}" if run["found"] else "NO"
+            cells = "  ".join(
+                f"{run['examples_to_first_failure']}:{run['shrunk_length']}/{run['lane_steps']}"
+                f"{'*' if run['at_minimum'] else ''} {run['replay_reproductions']}"
+                if run["found"]
+                else "NO"
                 for run in runs
             )
             found = sum(run["found"] for run in runs)
-            lines.append(f"  {row['engine']:<30} {found}/{len(runs)}  {cells}")
+            minimal = sum(run["found"] and run["at_minimum"] for run in runs)
+            lines.append(f"  {row['engine']:<30} {found}/{len(runs)} found, {minimal} at minimum  {cells}")
     memory = bench["memory"]
     if isinstance(memory, str):
         lines.append(f"memory: {memory}")

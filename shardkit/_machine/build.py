@@ -98,12 +98,6 @@ def build_machine(
     if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
         message = f"concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
         raise UsageError(message)
-    if concurrency > 1 and isolate:
-        message = (
-            "concurrency and isolate cannot be combined yet: an isolated worker serves one call at a time; "
-            "fuzz the engine in-process or through shardkit serve (grpc:// or unix:) with --concurrency"
-        )
-        raise UsageError(message)
     if role == "any":
         role = None
     if role is not None and role not in ROLES:
@@ -135,7 +129,7 @@ def build_machine(
         **{name: _Prepared(name) for name in _Setup.PREPARED},
         **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
         **({"inject_fault": inject_fault} if wanted else {}),
-        **(parallel_rules(concurrency) if concurrency > 1 else {}),
+        **(parallel_rules(concurrency, base) if concurrency > 1 else {}),
         "concurrency": concurrency,
     }
     engine_name = re.sub(r"\W+", "_", short_name(_target_name(target_or_factory))).strip("_")

@@ -314,8 +314,8 @@ class ShardMachine(RuleBasedStateMachine):
         self.layout = layout
         self.id_pool = id_pool
         self.choices: list[Choice] = []
-        #: Each lane's drawn (op, session) pairs (``shardkit._machine.parallel_rules``).
-        self.lanes: list[list[tuple[int, int]]] = [[] for _ in range(self.concurrency)]
+        #: Each lane's drawn (op, session, offset) steps (``shardkit._machine.parallel_rules``).
+        self.lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(self.concurrency)]
         self.phase_ran = False
         roles = self.roles if self.role is None else (self.role,)
         role = roles[layout % len(roles)]

@@ -2,18 +2,20 @@
 calls overlap, so only ``--concurrency`` finds it (a sequential run never flags it; the
 self-tests check both).
 
-Each opens its race window with ``time.sleep(0)``, which gives up the interpreter as a
-real engine's I/O, native call or lock would, so that the race shows in a good share of
-the runs, not once in thousands. Each declares ``concurrent_calls``, as the fake it
-wraps does: the claim is the bug.
+Each opens its race window with ``time.sleep(0)`` (one with a millisecond's sleep), which
+gives up the interpreter as a real engine's I/O, native call or lock would, so that the
+race shows in a good share of the runs, not once in thousands. Each declares
+``concurrent_calls``, as the fake it wraps does: the claim is the bug.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shardkit import (
     DecodeRequest,
@@ -32,12 +34,16 @@ __all__ = [
     "RACY",
     "CancelFreesUnderARunningStep",
     "DecodeCounterLostUpdate",
+    "FreeDuringPrefill",
     "LastSlotCheckThenAct",
+    "NonAtomicEpochBump",
     "RacyEngine",
     "SharedScratchToken",
 ]
 
 LINEARIZABILITY = "§2 linearizability"
+#: How long ``NonAtomicEpochBump`` spends out of its lock, allocating the new epoch's cache.
+ALLOCATION_SECONDS = 0.001
 
 
 class RacyEngine(DelegatingEngine):
@@ -46,10 +52,15 @@ class RacyEngine(DelegatingEngine):
     RACE: ClassVar[str]
     #: The properties a found failure may name (a race shows through the first check it breaks).
     PROPERTIES: ClassVar[tuple[str, ...]] = (LINEARIZABILITY,)
+    #: The shortest failure that shows the race: its steps (sequential steps before the
+    #: phase, and the phase) and the calls the phase's lanes hold.
+    MINIMUM: ClassVar[tuple[int, int]]
 
 
 class DecodeCounterLostUpdate(RacyEngine):
     RACE = "counts decodes itself: reads the count, decodes, writes the count back; an overlapping decode is lost"
+    #: Two decodes at once, of sessions nobody opened: it counts calls, answered or refused.
+    MINIMUM = (1, 2)
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,6 +79,8 @@ class DecodeCounterLostUpdate(RacyEngine):
 
 class SharedScratchToken(RacyEngine):
     RACE = "writes each decoded token into one scratch slot every session shares, then answers what the slot holds"
+    #: A session opened, then two of its decodes at once.
+    MINIMUM = (2, 2)
     PROPERTIES = ("§3 determinism",)
 
     def __init__(self) -> None:
@@ -90,6 +103,8 @@ class LastSlotCheckThenAct(RacyEngine):
     released again and refused, one the fake refuses keeps the fake's answer."""
 
     RACE = "checks for a free session slot, then opens the session: two openings both take the last slot"
+    #: Three openings, two of them in one lane: two slots to take, and a third opening races in.
+    MINIMUM = (1, 3)
     SLOTS = 2
 
     def __init__(self) -> None:
@@ -126,6 +141,8 @@ class CancelFreesUnderARunningStep(RacyEngine):
     step writes its result back (freed cache written into, a slot taken twice)."""
 
     RACE = "runs its calls without a lock: a cancel or release during a step's compute is overwritten when it writes back"
+    #: A session opened, then two decodes of its next step at once: both are admitted.
+    MINIMUM = (2, 2)
     #: Its dictionaries change under a running call too, which may raise instead.
     PROPERTIES = (LINEARIZABILITY, "unexplained exception")
 
@@ -141,9 +158,110 @@ class CancelFreesUnderARunningStep(RacyEngine):
         self.inner.forward = forward_yielding  # type: ignore[method-assign,assignment]
 
 
+class FreeDuringPrefill(RacyEngine):
+    """Books each session's cached tokens in a table of its own, for its metrics, every
+    entry written under the fake's lock; but it books a prefill's tokens only after the
+    prefill's compute, out of the lock. A release (or cancel) that lands in between
+    leaves the tokens it freed booked: the table shows a cache no session holds."""
+
+    RACE = "books a prefill's tokens after the prefill: a release or cancel that lands in between leaves them booked"
+    #: An opening prefill and, at once, a cancel of the session it opens.
+    MINIMUM = (1, 2)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.booked: dict[str, int] = {}
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result, cached = self._stepped(request.session_id, lambda: super(FreeDuringPrefill, self).prefill(request))
+        if result.status.ok:
+            time.sleep(0)  # the prefill's compute, out of the lock
+            self._book(request.session_id, cached)
+        return result
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        with self.inner._calls:
+            result, cached = self._stepped(request.session_id, lambda: super(FreeDuringPrefill, self).decode(request))
+            self._book(request.session_id, cached)
+        return result
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        with self.inner._calls:
+            status = super().cancel(session_id, epoch)
+            if status.ok:
+                self.booked[session_id] = 0
+        return status
+
+    def release(self, session_id: str) -> StructuredStatus:
+        with self.inner._calls:
+            self.booked.pop(session_id, None)
+            return super().release(session_id)
+
+    def metrics(self) -> MetricsResult:
+        with self.inner._calls:
+            return replace(super().metrics(), kv_tokens=sum(self.booked.values()))
+
+    def _stepped(self, session_id: str, step: Callable[[], StepResult]) -> tuple[StepResult, int]:
+        """The step's result and the tokens it cached (what the session holds after it,
+        less what it held before: a restart gives its old epoch's back)."""
+        with self.inner._calls:
+            before = self._held(session_id)
+            result = step()
+            return result, self._held(session_id) - before
+
+    def _book(self, session_id: str, cached: int) -> None:
+        with self.inner._calls:
+            if cached:
+                self.booked[session_id] = self.booked.get(session_id, 0) + cached
+
+    def _held(self, session_id: str) -> int:
+        session = self.inner._sessions.get(session_id)
+        return 0 if session is None else session.kv_tokens
+
+
+class NonAtomicEpochBump(RacyEngine):
+    """The fake, whose admitted restart wipes the old epoch's cache (its blocks go back to
+    empty, for the new epoch to reuse), then gives up its lock (as an engine that allocates
+    outside it would) before the session moves to the new epoch: a step of the old epoch
+    admitted in that window runs on the wiped cache and answers as if the session had no
+    history."""
+
+    RACE = "a restart wipes the old epoch's cache and lets other calls in before it bumps the epoch: an old-epoch step in between runs on the wiped cache"
+    #: A session opened, then a decode of it and its restart at once.
+    MINIMUM = (2, 2)
+    PROPERTIES = (LINEARIZABILITY, "§3 determinism")
+
+    def __init__(self) -> None:
+        super().__init__()
+        fake = self.inner
+        advance = fake._advance
+        restarting = threading.local()
+
+        def advance_marking_restarts(request: Any, served: Any, session: Any, where: str) -> StepResult:
+            restarting.now = session is not None and session.epoch != request.epoch
+            return advance(request, served, session, where)
+
+        def wipe_then_let_others_in(cache: list[bytes]) -> None:
+            cache[:] = fake.fresh_cache()
+            if getattr(restarting, "now", False):
+                restarting.now = False
+                fake._calls.release()
+                try:
+                    # Longer than the others' windows: the step that races in must take the
+                    # lock in it, and a thread that was not already waiting for it rarely does.
+                    time.sleep(ALLOCATION_SECONDS)
+                finally:
+                    fake._calls.acquire()
+
+        fake._advance = advance_marking_restarts  # type: ignore[method-assign]
+        fake.release_cache = wipe_then_let_others_in  # type: ignore[method-assign]
+
+
 RACY: tuple[type[RacyEngine], ...] = (
     DecodeCounterLostUpdate,
     SharedScratchToken,
     LastSlotCheckThenAct,
     CancelFreesUnderARunningStep,
+    FreeDuringPrefill,
+    NonAtomicEpochBump,
 )
