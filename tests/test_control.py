@@ -98,10 +98,13 @@ class Case:
     reference: str | Callable[[], ShardEngine] | None = None
     faults: str = "all"
     llama: bool = False
+    #: Lanes of calls at the same time (``--concurrency``; 1: none).
+    concurrency: int = 1
 
     @property
     def id(self) -> str:
-        return f"{self.engine}-{self.variant}-{self.role}"
+        lanes = f"-{self.concurrency}-lanes" if self.concurrency > 1 else ""
+        return f"{self.engine}-{self.variant}-{self.role}{lanes}"
 
 
 ROLES = ("full", "head", "middle", "tail")
@@ -116,6 +119,14 @@ CASES = [
     Case("pipeline", "boundary", "full", numpy_pipeline, SLOW),
     Case("llama", "native", "full", LLAMA, SLOW, llama=True),
     Case("llama", "boundary", "full", llama_at_the_boundary, SLOW, llama=True),
+    # Every bundled engine declares concurrent_calls: lanes of calls at once must not flag one.
+    Case("fake", "native", "full", FakeShardEngine, FAST, concurrency=2),
+    Case("fake", "native", "middle", FakeShardEngine, FAST, concurrency=3),
+    Case("numpy", "native", "full", NumpyShardEngine, SLOW, concurrency=2),
+    Case("numpy", "native", "tail", NumpyShardEngine, SLOW, concurrency=3),
+    # A phase that passes runs three times, each on a fresh pipeline (two engines) replaying the example.
+    Case("pipeline", "boundary", "full", numpy_pipeline, Size(2, SLOW.steps), concurrency=2),
+    Case("llama", "native", "full", LLAMA, SLOW, llama=True, concurrency=2),
 ]
 if NIGHTLY:
     CASES.append(Case("pipeline-vs-numpy", "boundary", "full", numpy_pipeline, SLOW, reference=NumpyShardEngine))
@@ -133,6 +144,7 @@ def sweep(case: Case, seeds: range, out: Path, *, stop_at_first: bool = False) -
             role=case.role,
             reference=case.reference,
             faults=case.faults,
+            concurrency=case.concurrency,
             out=out,
             minimize=not stop_at_first,
         )

@@ -33,6 +33,10 @@ LANE_OP_CHOICES = 2 * len(LANE_OPS)
 _MORE_OFTEN = ("decode", "open")
 #: Lanes a machine may run at once: races need two, and three already make most orders.
 MAX_CONCURRENCY = 3
+#: Steps a lane holds at most. A race needs a call or two per lane; longer lanes only push
+#: the racing calls apart in time and leave the shrinker more steps to take out one by one,
+#: each candidate run up to three times (an example's lanes fill as long as it goes on).
+LANE_LENGTH = 8
 
 
 def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, int]]) -> list[Action]:
@@ -84,10 +88,12 @@ def _lane_session(machine: ShardMachine, choice: int, op: str) -> str:
 
 def _add(machine: ShardMachine, lane: int, op: int, session: int, offset: int | None = None) -> None:
     """Add a step to ``lane`` counted from the next lane in turn, so that steps spread over
-    the lanes; its session is counted from ``offset``, or from the lane it lands in."""
+    the lanes, unless that lane holds ``LANE_LENGTH`` steps already; its session is counted
+    from ``offset``, or from the lane it lands in."""
     lanes = machine.lanes
     index = (sum(len(held) for held in lanes) + lane) % len(lanes)
-    lanes[index].append((op, session, index if offset is None else offset))
+    if len(lanes[index]) < LANE_LENGTH:
+        lanes[index].append((op, session, index if offset is None else offset))
 
 
 def _ready(machine: ShardMachine) -> bool:

@@ -30,7 +30,15 @@ from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Viol
 from shardkit._core.model import ReferenceModel, SessionState
 from shardkit._core.outcomes import CRASHED
 from shardkit._core.output_checks import flat_history
-from shardkit._core.steps import BEFORE_LOAD_CALLS, STEP_OPS, Action, malformations_for, phase_action, step_action
+from shardkit._core.steps import (
+    BEFORE_LOAD_CALLS,
+    PARALLEL_OP,
+    STEP_OPS,
+    Action,
+    malformations_for,
+    phase_action,
+    step_action,
+)
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
@@ -447,6 +455,8 @@ class ShardMachine(RuleBasedStateMachine):
             self._count_caveats(stats)
             for record in self.driver.records[len(prefix) :]:
                 stats.coverage[(coverage_op(record.action), record.outcome)] += 1
+        # Once per example, whatever its runs: a passing run shows its lanes ran and were checked.
+        stats.coverage[(PARALLEL_OP, "OK")] += 1
 
     def _report_failure(self, failure: StepFailed, operation: str) -> None:
         """Count the failing step and keep the example's report (``stats.failure``)."""

@@ -204,10 +204,11 @@ def _lanes_text(
     for timed in sorted(ran, key=lambda timed: (timed.lane, timed.index)):
         call = timed.step
         if isinstance(call, ObservedCall):
-            said = f"{call.describe()} → {_answer_text(call.answer)}"
+            answered = _answer_text(call.answer)
         else:
-            said = f"{actions[timed.lane, timed.index].describe()} → {'no answer' if died else f'raised {raised(call.error)}'}"
-        rows.append(f"  {timed.name} [{timed.started}-{timed.ended}] {said}")
+            answered = "no answer" if died else f"raised {raised(call.error)}"
+        # The action, tokens included: two prefills that look alike may be a retry or not.
+        rows.append(f"  {timed.name} [{timed.started}-{timed.ended}] {actions[timed.lane, timed.index].describe()} → {answered}")
     return f"parallel phase, {lanes} lanes at the same time (ticks of one clock: [started-ended]):\n" + "\n".join(rows)
 
 

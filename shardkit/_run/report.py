@@ -114,7 +114,7 @@ def render_failure(result: FuzzResult) -> str:
         lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
     elif result.minimized is not None and result.hypothesis_failure is not None:
         before = len(result.hypothesis_failure.records)
-        state = "1-minimal" if result.minimized.one_minimal else "not proven 1-minimal (replay budget ran out)"
+        state = "1-minimal" if result.minimized.one_minimal else f"not proven 1-minimal ({result.minimized.unproven})"
         lines.append(f"(Hypothesis shrank it to {_steps(before)}, replay to {len(failure.records)}; {state})")
     lines.append("reproduce:")
     # Quoted for the shell, so that they run as printed from a folder whose name has a space.
@@ -147,11 +147,11 @@ def counts_line(result: FuzzResult) -> str:
     rate = total_steps / result.elapsed_s if result.elapsed_s > 0 else 0.0
     if result.failure is not None:
         shrinking = (
-            f", then {result.shrink_examples} examples ({result.shrink_steps} steps) while shrinking it"
+            f", then {_examples(result.shrink_examples)} ({result.shrink_steps} steps) while shrinking it"
             if result.shrink_examples
             else ""
         )
-        counted = f"{result.examples} examples ({result.steps} steps) until the first failure{shrinking}"
+        counted = f"{_examples(result.examples)} ({result.steps} steps) until the first failure{shrinking}"
     else:
         requested = result.requested_examples
         extra = result.examples - requested if requested is not None else 0
@@ -161,6 +161,10 @@ def counts_line(result: FuzzResult) -> str:
         f"{counted}; {result.elapsed_s:.1f}s ({rate:,.0f} steps/s); "
         f"faults: {', '.join(sorted(result.faults)) or 'none'}"
     )
+
+
+def _examples(count: int) -> str:
+    return f"{count} example{'' if count == 1 else 's'}"
 
 
 def _needs_python(trace_path: Path) -> str | None:
