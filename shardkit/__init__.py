@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from shardkit._core.steps import Action as Action
     from shardkit._machine.state_machine import ShardMachine as ShardMachine
     from shardkit._machine.state_machine import step_rule as step_rule
+    from shardkit._parallel.lanes import yield_point as yield_point
     from shardkit._run.options import FuzzOptions as FuzzOptions
     from shardkit._run.replay import PreparedReplay as PreparedReplay
     from shardkit._run.replay import prepare_replay as prepare_replay
@@ -126,6 +127,7 @@ __all__ = [
     "prepare_replay",
     "replay",
     "step_rule",
+    "yield_point",
 ]
 
 #: Where each public name lives.
@@ -177,6 +179,7 @@ _HOMES = _MappingProxyType(
         "machine_for": "._run.suite",
         "replay": "._run.replay",
         "step_rule": "._machine.state_machine",
+        "yield_point": "._parallel.lanes",
     }
 )
 

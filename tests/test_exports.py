@@ -60,6 +60,7 @@ EXTENSION = {
     "fuzz",
     "FuzzResult",
     "FuzzOptions",
+    "yield_point",
 }
 DOCUMENTED = SPEC_VOCABULARY | KIT | EXTENSION
 EXTENDING = Path(__file__).resolve().parent.parent / "docs" / "extending.md"

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from shardkit._parallel.lanes import Raised, run_lanes
+from shardkit._parallel.lanes import Raised, run_lanes, yield_point
 from shardkit._parallel.linearize import TimedStep, linearize
 
 
@@ -89,3 +89,53 @@ def test_a_lost_update_is_caught_by_running_lanes_and_linearizing() -> None:
         locked = LockedCounter()
         steps: list[TimedStep[int | Raised[int]]] = run_lanes([[locked.increment] * 5 for _ in range(2)])
         assert linearize(steps, 0, apply_increment, lambda value: value).linearizable
+
+
+class YieldingCounter(RacyCounter):
+    """The racy counter whose window is a ``yield_point`` instead of a bare thread switch."""
+
+    def increment(self) -> int:
+        seen = self.value
+        yield_point()
+        self.value = seen + 1
+        return self.value
+
+
+class LockedYieldingCounter(YieldingCounter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def increment(self) -> int:
+        with self.lock:
+            return super().increment()
+
+
+def test_a_yield_point_makes_a_race_show_on_every_run() -> None:
+    # Each lane's read waits at the yield point until the other lane answers or the wait
+    # runs out; both then write what they read: one update is lost on every run, where a
+    # bare thread switch loses it on most (test above).
+    for _ in range(20):
+        counter = YieldingCounter()
+        steps = run_lanes([[counter.increment] for _ in range(2)])
+        assert not linearize(steps, 0, apply_increment, lambda value: value).linearizable
+
+
+def test_a_yield_point_under_a_lock_waits_at_most_its_bound_and_stays_correct() -> None:
+    # The other lane waits for the lock the yielding one holds, so nothing answers while
+    # it waits: the wait ends at its bound, and the locked counter loses nothing.
+    for _ in range(10):
+        locked = LockedYieldingCounter()
+        steps: list[TimedStep[int | Raised[int]]] = run_lanes([[locked.increment] * 3 for _ in range(2)])
+        assert linearize(steps, 0, apply_increment, lambda value: value).linearizable
+
+
+def test_a_yield_point_outside_a_phase_does_nothing() -> None:
+    counter = YieldingCounter()
+    assert [counter.increment() for _ in range(3)] == [1, 2, 3]
+    # A thread of its own that is not a lane does not wait either (a server's worker).
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(counter.increment()))
+    thread.start()
+    thread.join(timeout=60)
+    assert done == [4]

@@ -200,7 +200,8 @@ def test_shardkit_replay_on_the_command_line_fails_a_minimal_and_passes_it_cut(t
     for index in range(len(engine.MINIMAL)):
         cut = replay(write_trace(tmp_path / f"cut-{index}.json", without_step(document, index)))
         assert cut.returncode == 0, cut.stdout + cut.stderr
-        assert f"did not reproduce: all {len(engine.MINIMAL) - 1} steps matched the model" in cut.stdout
+        left = len(engine.MINIMAL) - 1
+        assert f"did not reproduce: all {left} step{'' if left == 1 else 's'} matched the model" in cut.stdout
 
 
 # --- traces written by fuzz runs ----------------------------------------------------------------

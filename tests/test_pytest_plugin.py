@@ -81,3 +81,34 @@ def test_bad_plugin_options_are_usage_errors(suite: pytest.Pytester, option: str
     result = suite.runpytest_subprocess(option, value)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+UNDECLARED = """
+from dataclasses import replace
+
+from shardkit import DelegatingEngine, FakeShardEngine, machine_for
+
+
+class OneThreadOnly(DelegatingEngine):
+    def __init__(self):
+        super().__init__(FakeShardEngine())
+
+    def capabilities(self):
+        return replace(super().capabilities(), concurrent_calls=False)
+
+
+TestInParallel = machine_for(OneThreadOnly, concurrency=2).TestCase
+"""
+
+
+def test_a_suite_set_up_wrong_says_what_to_fix_without_the_kits_frames(
+    pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    pytester.makepyfile(test_undeclared=UNDECLARED)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E * does not declare concurrent_calls in its capabilities*"])
+    output = result.stdout.str()
+    assert "shardkit/_machine" not in output, output
+    assert "shardkit/_run" not in output, output

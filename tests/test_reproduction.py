@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_replay_against_the_fixed_engine_does_not_reproduce(
         assert main(["replay", str(trace), "--engine", "shardkit:FakeShardEngine"]) == 0
         assert result.failure is not None
         steps = len(result.failure.records)
-        assert f"did not reproduce: all {steps} steps matched the model" in capsys.readouterr().out
+        assert f"did not reproduce: all {steps} step{'' if steps == 1 else 's'} matched the model" in capsys.readouterr().out
 
 
 def test_regression_files_fail_on_the_buggy_engines_and_pass_on_the_fake(
@@ -445,6 +446,34 @@ def test_a_regression_test_whose_engine_cannot_be_built_is_an_error_not_a_failur
 
 
 # --- printed commands work as printed ----------------------------------------------------------------
+
+
+def test_the_printed_replay_names_an_engine_file_outside_the_project_so_it_runs_as_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replay builds a recorded engine only from inside the current folder's tree: for an
+    engine file elsewhere the printed command names it with --engine, as the user did."""
+    engines, project = tmp_path / "engines", tmp_path / "project"
+    engines.mkdir()
+    project.mkdir()
+    (engines / "leaky.py").write_text(LEAKY_ENGINE, encoding="utf-8")
+    monkeypatch.chdir(project)
+    target = f"{engines / 'leaky.py'}:Leaky"
+    result = fuzz(target, seed=1, examples=50, steps=20, faults="none", out=project / "failures")
+    assert result.failure is not None
+    from shardkit._run.report import render_failure
+
+    line = next(line for line in render_failure(result).splitlines() if line.startswith("  this failure:"))
+    command = line.removeprefix("  this failure:    ")
+    assert command.endswith(f" --engine {shlex.quote(target)}"), command
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    replayed = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    bare = subprocess.run(
+        ["bash", "-c", command.partition(" --engine ")[0]], cwd=project, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert bare.returncode == 2, bare.stdout + bare.stderr  # what the line printed before
+    assert "outside the current project" in bare.stderr
 
 
 def test_the_printed_commands_run_as_printed_from_a_folder_with_a_space(repo_root: Path, tmp_path: Path) -> None:

@@ -60,7 +60,10 @@ def replay_command(args: argparse.Namespace) -> int:
         )
     if result.failure is None:
         runs = f" in any of {result.runs} runs" if result.runs > 1 else ""
-        print(f"did not reproduce{runs}: all {len(result.records)} steps matched the model")
+        steps = len(result.trace.actions)
+        # A phase is one step of the trace and several calls: count both, as the failure did.
+        calls = f" ({len(result.records)} calls)" if len(result.records) != steps else ""
+        print(f"did not reproduce{runs}: all {steps} step{'' if steps == 1 else 's'}{calls} matched the model")
         return EXIT_OK
     if not result.reproduced:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")

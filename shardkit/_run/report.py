@@ -13,6 +13,7 @@ from typing import Any, TextIO
 from shardkit._core.driver import StepRecord
 from shardkit._core.properties import read_more
 from shardkit._run.result import FuzzResult
+from shardkit._run.trust import file_target_outside_project
 from shardkit._version import __version__
 
 __all__ = [
@@ -124,7 +125,10 @@ def render_failure(result: FuzzResult) -> str:
         lines.append(f"                   (trace: {shlex.quote(str(result.trace_path))})")
     else:
         if result.trace_path is not None:
-            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}")
+            # Replay builds the recorded engine only from inside the current project; one
+            # outside it is named on the command line, as the user named it to fuzz it.
+            engine = f" --engine {shlex.quote(result.target)}" if file_target_outside_project(result.target) else ""
+            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}{engine}")
         if result.regression_path is not None:
             missing = "" if _has_pytest() else "  (pytest is not installed here: pip install pytest)"
             lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}{missing}")

@@ -24,7 +24,7 @@ from shardkit._run.report import render_failure
 from shardkit._run.runner import run_machine
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit.contract import Role
-from shardkit.errors import SuiteFailure
+from shardkit.errors import KitBug, ShardkitError, SuiteFailure
 
 __all__ = ["SuiteOverrides", "machine_for", "run_as_test", "suite_seed"]
 
@@ -107,15 +107,24 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
     if not isinstance(overrides, SuiteOverrides):
         overrides = SuiteOverrides()
     explicit = getattr(test, "settings", None)
-    if overrides.engine is not None:
-        machine = machine_for(overrides.engine, **machine.build_options)
-    run_settings, _ = suite_settings(explicit if isinstance(explicit, settings) else None)
-    if overrides.seed is not None:
-        seed = overrides.seed
-        run_settings = settings(run_settings, database=None, derandomize=False)
-    else:
-        seed = suite_seed(machine, run_settings.derandomize)
-    result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
+    try:
+        if overrides.engine is not None:
+            machine = machine_for(overrides.engine, **machine.build_options)
+        run_settings, _ = suite_settings(explicit if isinstance(explicit, settings) else None)
+        if overrides.seed is not None:
+            seed = overrides.seed
+            run_settings = settings(run_settings, database=None, derandomize=False)
+        else:
+            seed = suite_seed(machine, run_settings.derandomize)
+        result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
+    except ShardkitError as error:
+        if isinstance(error, KitBug):
+            raise
+        # A suite set up wrong (an engine that does not declare what the machine needs, a
+        # target that does not build): the message says what to fix, and the kit's frames
+        # would bury it under a page of traceback (a cause, such as the engine's own import
+        # error, is still shown).
+        raise error.with_traceback(None) from error.__cause__
     if result.failure is not None:
         engine = f" --shardkit-engine {shlex.quote(overrides.engine)}" if overrides.engine is not None else ""
         # pytest names the running test in PYTEST_CURRENT_TEST ("path::Class::test (call)"):

@@ -57,7 +57,7 @@ from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ShardEngine
 from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
-__all__ = ["Admitted", "admit", "build_recorded_machine", "resolve_admitted"]
+__all__ = ["Admitted", "admit", "build_recorded_machine", "file_target_outside_project", "resolve_admitted"]
 
 _ROLE_WORDS = MappingProxyType({"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"})
 
@@ -97,6 +97,13 @@ def _installed(path: Path) -> bool:
 def _inside_project(path: Path) -> bool:
     path = path.resolve()
     return path.is_relative_to(_project()) and not _installed(path)
+
+
+def file_target_outside_project(name: str) -> bool:
+    """Whether ``name`` is a ``path/to/file.py:attr`` target whose file replay would not
+    build unless the user names it (``--engine``), as it lies outside the current project."""
+    module, colon, attr = name.rpartition(":")
+    return bool(colon and attr) and module.endswith(".py") and Path(module).is_file() and not _inside_project(Path(module))
 
 
 def _bundled(module: str) -> bool:
