@@ -101,14 +101,8 @@ class YieldingCounter(RacyCounter):
         return self.value
 
 
-class LockedYieldingCounter(YieldingCounter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lock = threading.Lock()
-
-    def increment(self) -> int:
-        with self.lock:
-            return super().increment()
+class LockedYieldingCounter(LockedCounter, YieldingCounter):
+    """The yielding counter under the lock (``LockedCounter.increment`` calls the next one)."""
 
 
 def test_a_yield_point_makes_a_race_show_on_every_run() -> None:
