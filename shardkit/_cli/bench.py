@@ -351,7 +351,6 @@ def _rounded(value: float | None) -> float | None:
 _MEMORY_PROBE = """
 import sys
 from shardkit import FakeShardEngine
-from shardkit._run.replay import replay
 from shardkit._run.runner import fuzz
 
 fuzz(FakeShardEngine, seed=int(sys.argv[1]), examples=int(sys.argv[2]), steps=int(sys.argv[3]))

@@ -115,9 +115,7 @@ class StepContext:
         index, action = self._step
         serving = " while serving a twin of the oracle" if in_twin else ""
         observed = f"engine process {death.summary}{serving} during step {index}: {action.describe()}"
-        tail = death.quoted_tail()
-        detail = f"its output ended with:{tail}" if tail else "it printed nothing"
-        return Fail(death.property, expected, observed, detail)
+        return Fail(death.property, expected, observed, death.output_detail())
 
     def _kit_bug(
         self,

@@ -151,6 +151,11 @@ class ProcessDeath:
         """The tail, one ``  | line`` per line, each after a newline (empty if it printed nothing)."""
         return "".join(f"\n  | {line}" for line in self.stderr_tail)
 
+    def output_detail(self) -> str:
+        """What a failure says of the process's last output: the quoted tail, or that it printed nothing."""
+        tail = self.quoted_tail()
+        return f"its output ended with:{tail}" if tail else "it printed nothing"
+
 
 class Isolation(Protocol):
     """What the driver and the runner ask of an isolated target (the transport's

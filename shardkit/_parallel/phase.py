@@ -62,17 +62,16 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
     actions = {(timed.lane, timed.index): lanes[timed.lane][timed.index] for timed in ran}
     _check_for_death(driver, ran, actions)
     calls = [_checked(driver, timed, actions, ran) for timed in ran]
-    shown = _lanes_text(ran, actions)
     last = max((timed.ended for timed in calls), default=-1)
     try:
         metrics = driver.raw_engine.metrics()
     except Exception as error:  # the engine's exception is a finding; the kit's own pass through
         death = driver.target.isolation.death(error) if driver.target.isolation is not None else None
         if death is not None:
-            _died(driver, death, ["metrics() after the lanes"], shown)
-        _fail(driver, "unexplained exception", f"metrics() after the lanes raised {raised(error)}", shown)
+            _died(driver, death, ["metrics() after the lanes"], _lanes_text(ran, actions))
+        _fail(driver, "unexplained exception", f"metrics() after the lanes raised {raised(error)}", ran, actions)
     if not isinstance(metrics, MetricsResult):
-        _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", shown)
+        _fail(driver, "§1 return type", f"a MetricsResult from metrics() after the lanes, got {metrics!r}", ran, actions)
     after = TimedStep(len(lanes), 0, last + 1, last + 2, ObservedCall("metrics", metrics))
     found = linearize([*calls, after], driver.model, apply_call, model_key)
     if found.unknown:
@@ -82,7 +81,7 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
         )
         return []
     if found.order is None:
-        _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), shown)
+        _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), ran, actions)
     records = []
     for timed in found.order:
         if timed.lane == len(lanes):
@@ -94,7 +93,7 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
             records.append(driver.execute_answered(action, answer))
         except StepFailed as failed:
             order = ", ".join(step.name for step in found.order if step.lane < len(lanes))
-            context = f"{shown}\n  taken in the order {order}, which explains every status"
+            context = f"{_lanes_text(ran, actions)}\n  taken in the order {order}, which explains every status"
             # The step is named by its lane: the phase is one step of the failing sequence.
             judged = failed.violation.message.replace(f"step {failed.record.index}: ", f"{timed.name}: ", 1)
             raise StepFailed(Violation(failed.violation.property, f"{context}\n{judged}"), failed.record) from None
@@ -146,9 +145,7 @@ def _died(driver: Driver, death: ProcessDeath, unanswered: list[str], calls: str
     """The death as a sequential step's (``Driver._death_failure``), the phase as its step."""
     index = len(driver.records) + 1
     observed = f"engine process {death.summary} during step {index}, a parallel phase: no answer to {' nor to '.join(unanswered)}"
-    tail = death.quoted_tail()
-    detail = f"its output ended with:{tail}" if tail else "it printed nothing"
-    message = f"{calls}\n  expected: an answer\n  observed: {observed}\n  {detail}"
+    message = f"{calls}\n  expected: an answer\n  observed: {observed}\n  {death.output_detail()}"
     record = StepRecord(index, Action(PARALLEL_OP), "an answer", observed, "FAILED")
     raise StepFailed(Violation(death.property, message), record)
 
@@ -166,18 +163,23 @@ def _checked(
     if isinstance(outcome, Raised):
         if passes_through(outcome.error):
             raise outcome.error
-        _fail(driver, "unexplained exception", f"{name} raised {raised(outcome.error)}", _lanes_text(ran, actions))
+        _fail(driver, "unexplained exception", f"{name} raised {raised(outcome.error)}", ran, actions)
     assert isinstance(outcome, ObservedCall)
     wanted = StepResult if outcome.request is not None else StructuredStatus
     if not isinstance(outcome.answer, wanted):
-        what = f"{name} returned {outcome.answer!r}, not a {wanted.__name__}"
-        _fail(driver, "§1 return type", what, _lanes_text(ran, actions))
+        _fail(driver, "§1 return type", f"{name} returned {outcome.answer!r}, not a {wanted.__name__}", ran, actions)
     return TimedStep(timed.lane, timed.index, timed.started, timed.ended, outcome)
 
 
-def _fail(driver: Driver, prop: str, what: str, shown: str) -> NoReturn:
-    """``run_parallel`` records the phase itself as the failing step."""
-    message = f"{shown}\n  {what}"
+def _fail(
+    driver: Driver,
+    prop: str,
+    what: str,
+    ran: list[TimedStep[ObservedCall | Raised[ObservedCall]]],
+    actions: dict[tuple[int, int], Action],
+) -> NoReturn:
+    """``what`` below every lane; ``run_parallel`` records the phase itself as the failing step."""
+    message = f"{_lanes_text(ran, actions)}\n  {what}"
     raise StepFailed(Violation(prop, message), StepRecord(len(driver.records) + 1, Action(PARALLEL_OP), "", what, "FAILED"))
 
 
@@ -192,7 +194,7 @@ def _answer_text(answer: object) -> str:
 
 
 def _lanes_text(
-    ran: Sequence[TimedStep[ObservedCall] | TimedStep[ObservedCall | Raised[ObservedCall]]],
+    ran: Sequence[TimedStep[ObservedCall | Raised[ObservedCall]]],
     actions: dict[tuple[int, int], Action],
     *,
     died: bool = False,
