@@ -4,6 +4,8 @@ command in a failing suite's report. A thin adapter: the work is in ``shardkit._
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,10 @@ OUT_OPTION = "--shardkit-out"
 
 #: Where this session's overrides are kept on pytest's config.
 OVERRIDES_KEY: pytest.StashKey[SuiteOverrides] = pytest.StashKey()
+#: The ids of the tests whose machine runs in more than one test of the session.
+SHARED_MACHINE_TESTS_KEY: pytest.StashKey[frozenset[str]] = pytest.StashKey()
+#: How the pytest-xdist controller hands its seed to its workers (``workerinput``).
+WORKER_SEED_KEY = "shardkit_seed"
 
 
 def _seed(text: str) -> int:
@@ -58,7 +64,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="shardkit_out",
         default=None,
         metavar="DIR",
-        help="where failure traces go (.shardkit/failures)",
+        help="where failure traces go ($SHARDKIT_OUT if set, else .shardkit/failures)",
     )
 
 
@@ -75,9 +81,33 @@ def pytest_configure(config: pytest.Config) -> None:
             resolve_target(engine)
         except ValueError as error:
             raise pytest.UsageError(f"{ENGINE_OPTION}: {error}") from None
-    config.stash[OVERRIDES_KEY] = SuiteOverrides(
-        engine=engine, seed=_seed(seed_text) if seed_text is not None else None, out=Path(out) if out else None
-    )
+    # Under pytest-xdist every worker takes the controller's seed: "--shardkit-seed random"
+    # parsed in each worker would give each its own, and not the one the header printed.
+    worker_input = getattr(config, "workerinput", None)
+    if isinstance(worker_input, dict) and WORKER_SEED_KEY in worker_input:
+        seed = worker_input[WORKER_SEED_KEY]
+    else:
+        seed = _seed(seed_text) if seed_text is not None else None
+    config.stash[OVERRIDES_KEY] = SuiteOverrides(engine=engine, seed=seed, out=Path(out) if out else None)
+    config.stash[SHARED_MACHINE_TESTS_KEY] = frozenset()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller, as it starts a worker: hand it the seed it drew."""
+    node.workerinput[WORKER_SEED_KEY] = node.config.stash[OVERRIDES_KEY].seed
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Find the tests whose machine runs in more than one test of the session (one suite
+    collected under several names or from several files): each gets a seed of its own
+    (``item_seed``). Every pytest-xdist worker collects the same tests, so each worker
+    finds the same ones, however the tests are then handed out."""
+    machines = {item.nodeid: getattr(getattr(item, "cls", None), "shardkit_machine", None) for item in items}
+    counts = Counter(machine for machine in machines.values() if machine is not None)
+    shared = frozenset(nodeid for nodeid, machine in machines.items() if machine is not None and counts[machine] > 1)
+    config.stash[SHARED_MACHINE_TESTS_KEY] = shared
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -102,7 +132,10 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     """Hand the command line's overrides to a shardkit suite's ``TestCase`` as it runs."""
     instance = getattr(item, "instance", None)
     if instance is not None and hasattr(instance, "shardkit_overrides"):
-        instance.shardkit_overrides = item.config.stash[OVERRIDES_KEY]
+        overrides = item.config.stash[OVERRIDES_KEY]
+        if item.nodeid in item.config.stash[SHARED_MACHINE_TESTS_KEY]:
+            overrides = replace(overrides, item=item.nodeid)
+        instance.shardkit_overrides = overrides
 
 
 @pytest.hookimpl(wrapper=True)

@@ -33,6 +33,7 @@ REPORT_KEYS = {
     "not_checked",
     "longest_session",
     "failures",
+    "run",
 }
 FAILURE_KEYS = {"message", "steps", "trace", "faults", "notes"}
 STEP_KEYS = {"op", "args", "expected", "observed"}

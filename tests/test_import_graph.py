@@ -54,6 +54,8 @@ ABOVE_THE_CORE = (
     "shardkit._parallel",
     "shardkit._machine",
     "shardkit._run",
+    "shardkit._campaign",
+    "shardkit._html",
     "shardkit._cli",
     "shardkit.pytest_plugin",
     "shardkit.remote",
@@ -63,9 +65,30 @@ ABOVE_THE_TRANSPORT = (
     "shardkit._parallel",
     "shardkit._machine",
     "shardkit._run",
+    "shardkit._campaign",
+    "shardkit._html",
     "shardkit._cli",
     "shardkit.pytest_plugin",
 )
+#: The HTML report draws a report document from its JSON alone, so that a report from another
+#: machine renders: it reaches no engine, no machine and no run, only the core's vocabulary; and
+#: one run never draws a page (the command line does).
+ABOVE_THE_HTML = (
+    "shardkit._transport",
+    "shardkit._parallel",
+    "shardkit._machine",
+    "shardkit._run",
+    "shardkit._campaign",
+    "shardkit._cli",
+    "shardkit.engines",
+    "shardkit.pytest_plugin",
+    "shardkit.remote",
+)
+BELOW_THE_HTML = ("shardkit._run", "shardkit._machine", "shardkit._parallel")
+#: A campaign runs rounds of ``fuzz`` and the command line runs a campaign: what one run is
+#: never reaches the campaign, and the campaign never reaches the command line.
+BELOW_THE_CAMPAIGN = ("shardkit._run", "shardkit._machine", "shardkit._parallel")
+ABOVE_THE_CAMPAIGN = ("shardkit._cli", "shardkit.pytest_plugin")
 
 #: Module-level values that are mutable however they are used.
 MUTABLE_CALLS = frozenset({"dict", "list", "set", "Counter", "defaultdict", "deque", "OrderedDict"})
@@ -339,6 +362,22 @@ def test_the_core_reaches_nothing_above_it() -> None:
     found = layer_violations(graph, BELOW_THE_TRANSPORT, ABOVE_THE_CORE)
     found += layer_violations(graph, ("shardkit._transport",), ABOVE_THE_TRANSPORT)
     assert not found, "imports from a lower layer into a higher one:\n" + "\n".join(found)
+
+
+def test_the_campaign_sits_between_the_run_and_the_command_line() -> None:
+    graph = import_graph(PACKAGE_ROOT)
+    assert "shardkit._run.runner" in reachable(graph, "shardkit._campaign.worker"), "the campaign's modules were not read"
+    found = layer_violations(graph, BELOW_THE_CAMPAIGN, ("shardkit._campaign",))
+    found += layer_violations(graph, ("shardkit._campaign",), ABOVE_THE_CAMPAIGN)
+    assert not found, "the campaign is reached from below it, or reaches above it:\n" + "\n".join(found)
+
+
+def test_the_html_report_reads_only_the_document() -> None:
+    graph = import_graph(PACKAGE_ROOT)
+    assert "shardkit._html.render" in reachable(graph, "shardkit._html"), "the HTML report's modules were not read"
+    found = layer_violations(graph, ("shardkit._html",), ABOVE_THE_HTML)
+    found += layer_violations(graph, BELOW_THE_HTML, ("shardkit._html",))
+    assert not found, "the HTML report reaches a run, or a run reaches it:\n" + "\n".join(found)
 
 
 def test_the_transport_room_is_layered() -> None:

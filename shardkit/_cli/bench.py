@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import os
 import resource
 import statistics
 import subprocess
@@ -55,7 +57,7 @@ BUNDLED_PLANTED = "shardkit._planted"
 RACY_REPLAY_RUNS = 20
 
 #: The sections of a bench run, in the order they are measured (``run_bench``'s ``sections``).
-SECTIONS = ("throughput", "engines", "out_of_process", "planted", "concurrency", "memory")
+SECTIONS = ("throughput", "engines", "out_of_process", "planted", "concurrency", "memory", "scale_out")
 #: What a section left out by ``run_bench(..., sections=...)`` reports instead of its figures.
 NOT_MEASURED = "not measured in this run"
 
@@ -73,6 +75,10 @@ class BenchSettings:
     #: How many seeds each planted engine is fuzzed at (``seed``, ``seed + 1``, …): a bug found
     #: at one chosen seed says little about the next run.
     planted_seeds: int = BENCH_PLANTED_SEEDS
+    #: Rounds of the scale-out section, each one ``pytest -n 0`` and one ``pytest -n N`` run.
+    scale_out_rounds: int = 3
+    #: The N of ``pytest -n N`` that the scale-out section sets against one process.
+    scale_out_workers: int = 2
 
 
 def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
@@ -385,6 +391,90 @@ def _memory(config: BenchSettings) -> dict[str, Any] | str:
     return peaks
 
 
+#: The scale-out workload: the fake under each role, with faults and without, with the twin
+#: oracle and without, each suite its own machine; every suite runs ``--examples`` ×
+#: ``--steps`` from the bench's seed. Sixteen suites, not fewer: starting pytest-xdist's
+#: workers costs seconds whatever they run, and a few long suites leave one worker idle at the end.
+SCALE_OUT_SUITES = tuple(
+    (role, faults, twins) for role in ROLES for faults in ("all", "none") for twins in (True, False)
+)
+
+_SCALE_OUT_HEADER = """from hypothesis import settings
+from shardkit import FakeShardEngine, machine_for
+
+SIZES = settings(max_examples={examples}, stateful_step_count={steps}, database=None)
+"""
+_SCALE_OUT_SUITE = """
+machine = machine_for(FakeShardEngine, role={role!r}, faults={faults!r}, twins={twins!r})
+machine.TestCase.settings = SIZES
+Test_{role}_faults_{faults}_twins_{twins} = machine.TestCase
+"""
+
+
+def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
+    """The same suites run by pytest in one process (``-n 0``) and by pytest-xdist on
+    ``scale_out_workers`` workers, interleaved A/B over ``scale_out_rounds`` rounds (the
+    order alternates, so a machine growing busier or quieter shifts both alike): steps per
+    second of each, and the speed-up of each round. ``--shardkit-seed`` makes every run do
+    the same work, the steps the same suites take under ``fuzz`` at that seed."""
+    missing = [name for name in ("pytest", "xdist") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"not measured: needs {' and '.join(missing)} (pip install pytest pytest-xdist)"
+    steps = sum(
+        fuzz(
+            FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role, faults=faults, twins=twins
+        ).steps
+        for role, faults, twins in SCALE_OUT_SUITES
+    )
+    source = _SCALE_OUT_HEADER.format(examples=config.examples, steps=config.steps) + "".join(
+        _SCALE_OUT_SUITE.format(role=role, faults=faults, twins=twins) for role, faults, twins in SCALE_OUT_SUITES
+    )
+    # A database named in the environment would add its saved examples to some runs' work.
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("SHARDKIT_")}
+    seconds: dict[int, list[float]] = {0: [], config.scale_out_workers: []}
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-scale-out-") as folder:
+        Path(folder, "test_scale_out.py").write_text(source)
+        Path(folder, "pytest.ini").write_text("[pytest]\n")  # no configuration from the folders above
+        for round_number in range(config.scale_out_rounds):
+            order = list(seconds) if round_number % 2 == 0 else list(reversed(seconds))
+            for workers in order:
+                command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", str(workers)]
+                command += ["--shardkit-seed", str(config.seed), "--shardkit-out", "failures", "test_scale_out.py"]
+                started = time.perf_counter()
+                finished = subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True)
+                seconds[workers].append(time.perf_counter() - started)
+                if finished.returncode != 0:
+                    tail = " | ".join(finished.stdout.strip().splitlines()[-3:])
+                    return f"not measured: pytest -n {workers} exited {finished.returncode}: {tail}"
+    serial, parallel = seconds[0], seconds[config.scale_out_workers]
+    speedups = sorted(one / many for one, many in zip(serial, parallel, strict=True))
+    return {
+        "suites": len(SCALE_OUT_SUITES),
+        "steps": steps,
+        "workers": config.scale_out_workers,
+        "cpus": os.cpu_count(),
+        "rounds": config.scale_out_rounds,
+        "serial_steps_per_s": [round(steps / elapsed, 1) for elapsed in serial],
+        "parallel_steps_per_s": [round(steps / elapsed, 1) for elapsed in parallel],
+        "speedup_median": round(statistics.median(speedups), 3),
+        "speedup_min": round(speedups[0], 3),
+        "speedup_max": round(speedups[-1], 3),
+        "campaign": _campaign_scaling(config),
+    }
+
+
+def _campaign_scaling(config: BenchSettings) -> dict[str, Any]:
+    """``shardkit campaign`` on the fake with 1 worker, then ``scale_out_workers``, each
+    worker running the same 3 rounds of ``--examples`` × ``--steps`` (no clock involved)."""
+    from shardkit._campaign.run import measure_worker_scaling
+    from shardkit._run.options import FuzzOptions
+
+    options = FuzzOptions(examples=config.examples, steps=config.steps)
+    return measure_worker_scaling(
+        options=options, rounds_per_worker=3, seed=config.seed, worker_counts=(1, config.scale_out_workers)
+    )
+
+
 def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) -> dict[str, Any]:
     """Measure each of ``sections`` (all of them by default, as ``shardkit bench`` always does).
 
@@ -407,6 +497,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
     planted = measured("planted", _planted)
     concurrency = measured("concurrency", _concurrency)
     memory = measured("memory", _memory)
+    scale_out = measured("scale_out", _scale_out)
     headline = ("kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "long_session_share")
     full = throughput["full"] if isinstance(throughput, dict) else dict.fromkeys(headline)
     return {
@@ -423,6 +514,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         "planted": planted,
         "concurrency": concurrency,
         "memory": memory,
+        "scale_out": scale_out,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
@@ -534,6 +626,24 @@ def render(bench: dict[str, Any]) -> str:
         lines.append(
             f"memory (fake, 100 steps an example, a fresh process each): peak RSS {cells}; "
             f"ratio {memory['ratio_largest_to_smallest']}"
+        )
+    scale_out = bench["scale_out"]
+    if isinstance(scale_out, str):
+        lines.append(f"scale-out: {scale_out}")
+    else:
+        serial = statistics.median(scale_out["serial_steps_per_s"])
+        parallel = statistics.median(scale_out["parallel_steps_per_s"])
+        lines.append(
+            f"scale-out ({scale_out['suites']} fake suites, {scale_out['steps']:,} steps a run, "
+            f"{scale_out['rounds']} rounds interleaved, {scale_out['cpus']} CPUs): pytest -n 0 {serial:,.0f} steps/s, "
+            f"-n {scale_out['workers']} {parallel:,.0f} steps/s (medians); speed-up x{scale_out['speedup_median']:.2f} "
+            f"median (x{scale_out['speedup_min']:.2f} to x{scale_out['speedup_max']:.2f})"
+        )
+        campaign = scale_out["campaign"]
+        rates = ", ".join(f"{count} {figures['steps_per_s']:,.0f}" for count, figures in campaign["by_workers"].items())
+        lines.append(
+            f"scale-out (shardkit campaign, {campaign['rounds_per_worker']} rounds a worker, start-up not counted): "
+            f"steps/s by workers: {rates}; speed-up x{campaign['speedup']:.2f}"
         )
     lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
+from shardkit._cli.report import check_output_file
 from shardkit._core.targets import IsolationOptions
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
@@ -21,6 +22,8 @@ __all__ = ["fuzz_command", "left_behind"]
 
 
 def fuzz_command(args: argparse.Namespace) -> int:
+    from shardkit._html import write_html
+    from shardkit._run.database import choose_database
     from shardkit._run.options import FuzzOptions
     from shardkit._run.report import print_summary, report_document
     from shardkit._run.runner import fuzz
@@ -38,12 +41,18 @@ def fuzz_command(args: argparse.Namespace) -> int:
             step_timeout=args.step_timeout,
             worker_memory_mb=args.worker_memory,
             concurrency=args.concurrency,
+            database=choose_database(args.database, args.database_read_only),
         )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
     _check_out_folder(args.out)
     if args.report is not None:
         _check_report_file(args.report)
+    if args.html is not None:
+        check_output_file("fuzz", "--html", args.html, "report.html")
+        if args.report is not None and args.html.resolve() == args.report.resolve():
+            message = f"shardkit fuzz: --html {args.html} is the --report file too; name each its own file, e.g. --report report.json --html report.html"
+            raise UsageError(message)
     check_isolation_options("fuzz", args, args.target)
     target = resolve_target(args.target)
     isolation = None
@@ -66,14 +75,24 @@ def fuzz_command(args: argparse.Namespace) -> int:
     unwritten = getattr(result, "write_error", None)
     if unwritten:
         print(f"shardkit: {one_line(str(unwritten))}", file=sys.stderr)
+    html_unwritten = False
+    if args.html is not None:
+        # Before --report, whose failure ends the command: one file unwritten never costs the other.
+        try:
+            write_html(report_document(result, options), args.html)
+        except OSError as error:
+            print(f"shardkit: could not write --html {args.html}: {_reason(error)}", file=sys.stderr)
+            html_unwritten = True
+        else:
+            print(f"html: {args.html}")
     if args.report is not None:
         try:
-            write_atomically(args.report, report_document(result))
+            write_atomically(args.report, report_document(result, options))
         except OSError as error:
             print(f"shardkit: could not write --report {args.report}: {_reason(error)}", file=sys.stderr)
             return EXIT_FAILURE if found else EXIT_USAGE
         print(f"report: {args.report}")
-    if unwritten and not found:
+    if (unwritten or html_unwritten) and not found:
         return EXIT_USAGE
     return EXIT_FAILURE if found else EXIT_OK
 

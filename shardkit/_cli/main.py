@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 # Imports stay light here: `shardkit serve --worker` starts through this module, once per
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
+from shardkit._cli.campaign import campaign_command
 from shardkit._cli.commands import bench_command, contract_command, replay_command, serve_command
 from shardkit._cli.fuzz import fuzz_command, left_behind
 from shardkit._cli.parser import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_USAGE, build_parser, one_line
+from shardkit._cli.report import report_command
 from shardkit._core.targets import describe_exception
 from shardkit.contract import EngineError
 from shardkit.errors import EngineLost, KitBug, ShardkitError, UsageError
@@ -38,10 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     handlers = {
         "fuzz": fuzz_command,
+        "campaign": campaign_command,
         "replay": replay_command,
         "bench": bench_command,
         "contract": contract_command,
         "serve": serve_command,
+        "report": report_command,
     }
     try:
         return handlers[args.command](args)

@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_USAGE",
     "build_parser",
     "check_isolation_options",
+    "database_options",
     "for_command",
     "one_line",
 ]
@@ -87,6 +88,24 @@ def _seconds(text: str) -> float:
         raise _bad_value(f"--step-timeout must be a number of seconds, got {text!r}") from None
 
 
+def _workers(text: str) -> int:
+    """``campaign --workers``: worker processes, each a fresh interpreter (256 is far past any box's cores)."""
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise _bad_value(f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}")
+    return int(text)
+
+
+def _minutes(text: str) -> float:
+    """``campaign --minutes``: a positive, finite number of minutes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise _bad_value(f"--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got {text!r}")
+    return value
+
+
 @contextlib.contextmanager
 def for_command(command: str) -> Iterator[None]:
     """A ``UsageError`` from the library's checks of the options (which names the option) also
@@ -125,6 +144,24 @@ def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = Fa
         default=None,
         metavar="MB",
         help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate",
+    )
+
+
+def database_options(command: argparse.ArgumentParser) -> None:
+    """``--database`` and ``--database-read-only``; ``shardkit._run.database.choose_database``
+    reads them (with their environment variables) into the run's database."""
+    group = command.add_argument_group("example database (docs/scaling.md#database)")
+    group.add_argument(
+        "--database",
+        default=None,
+        metavar="DB",
+        help="save failing examples to DB and replay its saved ones first: redis://HOST:PORT/N (shared by "
+        "every runner naming it; the redis extra), a folder, or none (default: $SHARDKIT_DATABASE, else none)",
+    )
+    group.add_argument(
+        "--database-read-only",
+        action="store_true",
+        help="replay the database's examples without saving any (also SHARDKIT_DATABASE_READ_ONLY=1)",
     )
 
 
@@ -189,7 +226,25 @@ def build_parser() -> _Parser:
     )
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
+    fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
+    database_options(fuzz)
     _isolation_options(fuzz)
+
+    campaign = commands.add_parser("campaign", help="fuzz with several worker processes for some minutes; one merged report")
+    campaign.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
+    campaign.add_argument("--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)")
+    campaign.add_argument("--minutes", type=_minutes, required=True, metavar="M", help="start rounds for M minutes; rounds in flight then finish")
+    campaign.add_argument("--seed", type=_seed, default=None, help="seed the rounds' seeds derive from, or random (default: chosen and printed)")
+    campaign.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples per round ({defaults.examples})")
+    campaign.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
+    campaign.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
+    campaign.add_argument("--faults", default=defaults.faults, help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}")
+    campaign.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
+    campaign.add_argument("--concurrency", type=_lanes, default=defaults.concurrency, metavar="N", help="lanes of calls sent at the same time, as for fuzz")
+    campaign.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
+    campaign.add_argument("--report", type=Path, default=None, help="write the merged report (JSON) here")
+    campaign.add_argument("--html", type=Path, default=None, help="write the merged report as an HTML page here")
+    database_options(campaign)
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
@@ -237,6 +292,12 @@ def build_parser() -> _Parser:
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
     contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
+
+    report = commands.add_parser("report", help="draw a --report JSON as one HTML page (docs/report.md)")
+    report.add_argument("report", type=Path, metavar="REPORT.json", help="a report written by shardkit fuzz --report")
+    report.add_argument(
+        "-o", "--output", type=Path, default=None, metavar="FILE", help="the HTML file to write (default: REPORT with .html)"
+    )
 
     serve = commands.add_parser("serve", help="serve an engine target over gRPC (the grpc extra)")
     serve.add_argument("target", help="engine target, e.g. shardkit:FakeShardEngine")

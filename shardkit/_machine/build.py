@@ -20,7 +20,7 @@ from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
-from shardkit._machine.state_machine import ShardMachine, SuiteRunner, inject_fault, layer_range
+from shardkit._machine.state_machine import FailureSink, ShardMachine, SuiteRunner, inject_fault, layer_range
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
@@ -80,6 +80,7 @@ def build_machine(
     worker_memory_mb: int | None = None,
     suite_runner: SuiteRunner | None = None,
     concurrency: int = 1,
+    fuzzer_failures: FailureSink | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -93,7 +94,9 @@ def build_machine(
     ``step_timeout`` seconds each and whose memory ``worker_memory_mb`` limits;
     ``step_timeout`` also applies to a remote target. ``concurrency`` of 2 or 3 adds a
     parallel phase of that many lanes (``shardkit._machine.parallel_rules``), which ends
-    each example that draws it.
+    each example that draws it. ``suite_runner`` is what the machine's pytest ``TestCase``
+    runs and ``fuzzer_failures`` what its failures become when a fuzzer such as HypoFuzz
+    drives it directly (``machine_for`` sets both; see ``ShardMachine``).
     """
     if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
         message = f"concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
@@ -128,6 +131,7 @@ def build_machine(
         "model_factory": staticmethod(model),
         **{name: _Prepared(name) for name in _Setup.PREPARED},
         **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
+        **({"fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
         **({"inject_fault": inject_fault} if wanted else {}),
         **(parallel_rules(concurrency, base) if concurrency > 1 else {}),
         "concurrency": concurrency,

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_EXAMPLES",
     "DEFAULT_PROFILE",
     "DEFAULT_STEPS",
+    "KEPT_HEALTH_CHECKS",
     "PROFILES",
     "register_profiles",
     "time_independent",
@@ -41,17 +42,23 @@ PROFILES: Mapping[str, tuple[int, int, bool]] = MappingProxyType({
 })
 
 
+#: Health checks kept on: HypoFuzz refuses to fuzz a test whose settings suppress
+#: ``nested_given``, and no shardkit machine nests ``@given`` (older Hypothesis has no such check).
+KEPT_HEALTH_CHECKS = frozenset(check for check in HealthCheck if check.name == "nested_given")
+
+
 def time_independent(base: settings) -> settings:
     """``base`` with everything that reads the wall clock or rejects a long example turned off:
     no deadline, and no health check (``too_slow`` times the engine; the size checks refuse
-    the long examples ``--steps`` asks for; the rest concern hand-written ``@given`` tests).
+    the long examples ``--steps`` asks for; the rest concern hand-written ``@given`` tests;
+    ``nested_given`` stays, see ``KEPT_HEALTH_CHECKS``).
     The explain phase is dropped too: it runs variants after shrinking, and the failure
     reported must be the one the shrinker ended on."""
     return settings(
         base,
         deadline=None,
         phases=[phase for phase in base.phases if phase is not Phase.explain],
-        suppress_health_check=list(HealthCheck),
+        suppress_health_check=[check for check in HealthCheck if check not in KEPT_HEALTH_CHECKS],
         print_blob=True,
         report_multiple_bugs=False,
     )

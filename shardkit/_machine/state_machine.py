@@ -17,7 +17,7 @@ import unittest
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, ClassVar, Protocol
 
 from hypothesis import event, reject, settings
@@ -40,7 +40,7 @@ from shardkit._core.steps import (
     step_action,
 )
 from shardkit._core.targets import ResolvedTarget
-from shardkit._machine import profiles as _profiles  # noqa: F401  (registers the shardkit-* profiles)
+from shardkit._machine import profiles as _profiles  # importing it registers the shardkit-* profiles
 from shardkit._machine.hypothesis_adapter import stop_hypothesis
 from shardkit._parallel.runs import PHASE_RUNS, replay_steps
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
@@ -54,6 +54,7 @@ __all__ = [
     "ShardMachine",
     "SuiteRunner",
     "coverage_op",
+    "fuzzing_machine",
     "inject_fault",
     "layer_range",
     "observed",
@@ -215,6 +216,9 @@ def layer_range(role: Role, total_layers: int, choice: int) -> tuple[int, int]:
 
 
 SuiteRunner = Callable[["type[ShardMachine]", "unittest.TestCase"], None]
+#: Given the machine, what each failure is handed to when Hypothesis drives the machine
+#: directly, with no run of the kit around it (``fuzzing_machine``).
+FailureSink = Callable[["type[ShardMachine]"], Callable[["FailureReport"], object]]
 
 
 class MachineSetup(Protocol):
@@ -239,11 +243,61 @@ class SuiteTestCase:
         return made
 
 
+class _FuzzerFailures:
+    """The ``on_failure`` of a fuzzing machine's observer: asks the machine's
+    ``fuzzer_failures`` hook for the sink on the first failure (the engine is met then,
+    not when pytest collects the suite), and hands it every failure."""
+
+    def __init__(self, machine: type[ShardMachine]) -> None:
+        self.machine = machine
+        self.sink: Callable[[FailureReport], object] | None = None
+
+    def __call__(self, failure: FailureReport) -> None:
+        hook = self.machine.fuzzer_failures
+        if hook is None:
+            return
+        if self.sink is None:
+            self.sink = hook(self.machine)
+        self.sink(failure)
+
+
+class _FuzzerSettingsHolder:
+    """``TestCase`` of a fuzzing machine, as Hypothesis's ``get_state_machine_test`` reads it
+    (``Machine.TestCase.settings``) when the suite's own ``TestCase.settings`` is None: the
+    settings the suite runs under (its own, else the profile, as ``suite_settings`` says),
+    without a deadline or health checks, read when HypoFuzz asks for them."""
+
+    def __init__(self, machine: type[ShardMachine]) -> None:
+        self.machine = machine
+
+    def __get__(self, instance: object, owner: type) -> SimpleNamespace:
+        explicit = getattr(self.machine.TestCase, "settings", None)
+        chosen, _ = _profiles.suite_settings(explicit if isinstance(explicit, settings) else None)
+        return SimpleNamespace(settings=_profiles.time_independent(chosen))
+
+
+def fuzzing_machine(machine: type[ShardMachine]) -> type[ShardMachine]:
+    """``machine`` as a coverage-guided fuzzer runs it (HypoFuzz collects it from the suite's
+    ``TestCase``): Hypothesis drives it directly, so there is no run of the kit to count its
+    examples and write its trace. One observer for the process counts them, and hands each
+    failure to the sink ``machine.fuzzer_failures`` makes (``machine_for``'s keeps the
+    shortest failure as a trace). It keeps the machine's name, so its
+    identity (trace names) is the machine's."""
+    namespace = {
+        "observer": RunObserver(on_failure=_FuzzerFailures(machine)),
+        "TestCase": _FuzzerSettingsHolder(machine),
+        "__qualname__": machine.__qualname__,
+    }
+    return type(machine.__name__, (machine,), namespace)
+
+
 def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
     class ShardMachineTestCase(unittest.TestCase):
         settings: settings | None = None
         #: Set by the pytest plugin from its command-line options before the test runs.
         shardkit_overrides: object = None
+        #: The machine it runs (the plugin counts the tests of each machine in a session).
+        shardkit_machine: ClassVar[type[ShardMachine]] = machine
 
         def runTest(self) -> None:
             __tracebackhide__ = True
@@ -257,6 +311,10 @@ def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
             runner(machine, self)
 
         runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
+        if machine.suite_runner is not None:
+            # What HypoFuzz collects: it runs this machine itself, example after example, rather
+            # than runTest (which runs the kit's whole run on each call).
+            runTest._hypothesis_state_machine_class = fuzzing_machine(machine)  # type: ignore[attr-defined]
 
     ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
     ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
@@ -288,6 +346,9 @@ class ShardMachine(RuleBasedStateMachine):
     #: What its pytest ``TestCase`` runs: ``machine_for`` sets the kit's run (Hypothesis, then
     #: minimisation by replay, then the trace and regression test on disk).
     suite_runner: ClassVar[SuiteRunner | None] = None
+    #: What a failure becomes when a fuzzer such as HypoFuzz drives the machine directly
+    #: (``fuzzing_machine``): ``machine_for`` sets the kit's, a trace of the shortest failure.
+    fuzzer_failures: ClassVar[FailureSink | None] = None
     #: pytest's ``TestCase`` for the machine (collect it as ``TestMyEngine = Machine.TestCase``).
     TestCase = SuiteTestCase()  # type: ignore[assignment]  # Hypothesis types its own TestCase class; ours runs the kit's run
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,7 +28,7 @@ from shardkit._core.targets import short_name
 from shardkit._machine.profiles import time_independent
 from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._run.regression import regression_test_source
-from shardkit._run.trace import trace_document, write_atomically
+from shardkit._run.trace import trace_document, write_atomically, write_new
 
 __all__ = ["Artefacts", "machine_identity", "run_settings_for"]
 
@@ -70,6 +71,11 @@ class Artefacts:
     machine's identity, so two engines or two configurations never share a name; a
     file that already holds a *different* failure is never overwritten (a suffix is
     added). A write that fails is remembered, not raised: the failure is still reported.
+
+    Several processes may write into one folder at once (pytest-xdist workers, HypoFuzz
+    processes, the same seed run twice): a trace's name is claimed atomically
+    (``write_new``), and the in-progress file carries the process id, so no two processes
+    ever write one file.
     """
 
     def __init__(self, machine: type[ShardMachine], out: Path | None, seed: int | None) -> None:
@@ -79,6 +85,9 @@ class Artefacts:
         self.shortest: int | None = None  # steps of the in-progress trace on disk
         self.write_error: str | None = None
         self._label = self._make_label()
+        #: The failure ``keep_shortest`` keeps: its steps and property, its trace, and whether
+        #: this process created that file (one another process created is not ours to replace).
+        self._kept: tuple[int, str, Path, bool] | None = None
 
     def _make_label(self) -> str:
         engine = _slug(short_name(self.machine.target.name)) or "engine"
@@ -91,7 +100,9 @@ class Artefacts:
 
     def in_progress(self) -> Path:
         assert self.out is not None
-        return self.out / f"{self.label}-in-progress.json"
+        # The process id keeps it private: two processes running the same machine and seed
+        # (two xdist workers, two terminals) would otherwise replace each other's file.
+        return self.out / f"{self.label}-pid{os.getpid()}-in-progress.json"
 
     def offer(self, failure: FailureReport) -> None:
         """Keep the shortest failure seen so far on disk while the run goes on."""
@@ -112,10 +123,8 @@ class Artefacts:
         document = self._document(failure)
         stem = f"{self.label}-{failure.load_request.role}-{_slug(failure.violation.property)}"
         try:
-            trace_path = self._free_path(stem, document)
-            test_path = trace_path.with_name(f"test_{trace_path.stem.replace('-', '_')}.py")
-            write_atomically(trace_path, document)
-            write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+            trace_path, _ = self._claim(stem, document)
+            test_path = self._write_regression_test(trace_path, failure)
         except OSError as error:
             where = error.filename or self.out
             self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
@@ -123,13 +132,53 @@ class Artefacts:
         self.in_progress().unlink(missing_ok=True)
         return trace_path, test_path
 
-    def _free_path(self, stem: str, document: dict[str, Any]) -> Path:
-        """``stem.json``, unless that file holds another failure: then ``stem-2.json``, …"""
+    def keep_shortest(self, failure: FailureReport) -> Path | None:
+        """Keep the shortest failure seen so far as a finished trace and regression test, for a
+        machine Hypothesis drives directly (HypoFuzz): no run ends, at which ``final`` would
+        write it. Like a run of the kit, it keeps one failure: HypoFuzz shrinks a bug through
+        failures of other properties on the way, and each would otherwise leave a file. A
+        shorter failure replaces the files this process wrote before; another process's
+        files are never replaced."""
+        if self.out is None:
+            return None
+        if self._kept is not None and self._kept[0] <= len(failure.records):
+            return self._kept[2]
+        document = self._document(failure)
+        stem = f"{self.label}-{failure.load_request.role}-{_slug(failure.violation.property)}"
+        earlier = self._kept
+        try:
+            if earlier is not None and earlier[1] == failure.violation.property and earlier[3]:
+                trace_path, ours = write_atomically(earlier[2], document), True
+            else:
+                trace_path, ours = self._claim(stem, document)
+            self._write_regression_test(trace_path, failure)
+        except OSError as error:
+            where = error.filename or self.out
+            self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
+            return None
+        if earlier is not None and earlier[3] and earlier[2] != trace_path:
+            earlier[2].unlink(missing_ok=True)
+            _regression_test_path(earlier[2]).unlink(missing_ok=True)
+        self._kept = (len(failure.records), failure.violation.property, trace_path, ours)
+        return trace_path
+
+    def _write_regression_test(self, trace_path: Path, failure: FailureReport) -> Path:
+        test_path = _regression_test_path(trace_path)
+        write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        return test_path
+
+    def _claim(self, stem: str, document: dict[str, Any]) -> tuple[Path, bool]:
+        """Write ``document`` as ``stem.json``, unless that file holds another failure: then
+        ``stem-2.json``, … Each name is claimed atomically (``write_new``), so two processes
+        never both take one. The path, and whether this process created it (rather than
+        found the same failure there and rewrote it in place)."""
         assert self.out is not None
         for attempt in range(1, 10_000):
             path = self.out / (f"{stem}.json" if attempt == 1 else f"{stem}-{attempt}.json")
-            if not path.exists() or _same_failure(path, document):
-                return path
+            if write_new(path, document):
+                return path, True
+            if _same_failure(path, document):
+                return write_atomically(path, document), False
         message = f"{self.out} already holds 10 000 traces named {stem}-N.json; clear it out"
         raise OSError(message)
 
@@ -146,6 +195,10 @@ class Artefacts:
             isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
             machine=self.machine,
         )
+
+
+def _regression_test_path(trace_path: Path) -> Path:
+    return trace_path.with_name(f"test_{trace_path.stem.replace('-', '_')}.py")
 
 
 def _same_failure(path: Path, document: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ from shardkit._machine.build import parse_faults
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine
+from shardkit._run.database import DatabaseChoice, parse_database
 from shardkit._run.trace import importable_name
 from shardkit.contract import FAULT_KINDS, ROLES, Role
 from shardkit.errors import UsageError
@@ -63,7 +64,10 @@ class FuzzOptions:
     machine's ``model_factory``) extend the rules (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
     the work by counts. ``concurrency`` of 2 or 3 ends examples with that many lanes of
     calls sent at the same time (docs/contract.md#linearizability); the engine must declare
-    ``concurrent_calls`` in its capabilities.
+    ``concurrent_calls`` in its capabilities. ``database`` (``--database``) is where failing
+    examples are saved and replayed from first: "none" (the default), a folder, a
+    ``redis://HOST:PORT/N`` URL or a ``DatabaseChoice``; ``database_read_only`` replays
+    without saving (docs/scaling.md#database).
     """
 
     examples: int = DEFAULT_EXAMPLES
@@ -80,6 +84,8 @@ class FuzzOptions:
     minimize: bool = True
     budgets: Budgets = DEFAULT_BUDGETS
     concurrency: int = 1
+    database: str | DatabaseChoice = "none"
+    database_read_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("examples", "steps"):
@@ -100,6 +106,14 @@ class FuzzOptions:
         if concurrency not in range(1, MAX_CONCURRENCY + 1) or isinstance(concurrency, bool | float):
             message = f"concurrency (--concurrency) must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
             raise UsageError(message)
+        database = parse_database(self.database) if isinstance(self.database, str) else self.database
+        if self.database_read_only:
+            if database.kind == "none":
+                message = "database_read_only (--database-read-only) replays a database without saving to it; name one (--database)"
+                raise UsageError(message)
+            database = replace(database, read_only=True)
+        object.__setattr__(self, "database", database)
+        object.__setattr__(self, "database_read_only", database.read_only)
         memory = self.worker_memory_mb
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
             message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
@@ -154,7 +168,14 @@ class FuzzOptions:
             parts += isolation.command_options()
         elif self.step_timeout is not None:
             parts += ["--step-timeout", f"{self.step_timeout:g}"]
+        parts += self.database_choice.command_options()
         return " ".join(parts) + self._machine_options()
+
+    @property
+    def database_choice(self) -> DatabaseChoice:
+        """``database`` as ``__post_init__`` checked it."""
+        assert isinstance(self.database, DatabaseChoice)
+        return self.database
 
     def _machine_options(self) -> str:
         """`` --machine NAME``, or why the command line cannot name the extended rules."""

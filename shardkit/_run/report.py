@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+import hypothesis
 
 from shardkit._core.driver import StepRecord
 from shardkit._core.properties import read_more
+from shardkit._core.steps import PARALLEL_OP, Action
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.result import FuzzResult
+from shardkit._run.trace import importable_name
 from shardkit._run.trust import file_target_outside_project
 from shardkit._version import __version__
+from shardkit.contract import CacheResult, StatusCode
+
+if TYPE_CHECKING:
+    from shardkit._run.options import FuzzOptions
 
 __all__ = [
     "LONG_SESSION_DECODES",
@@ -24,6 +35,7 @@ __all__ = [
     "long_session_share",
     "print_summary",
     "render_failure",
+    "replay_command",
     "report_document",
     "session_histogram",
     "session_lines",
@@ -125,10 +137,7 @@ def render_failure(result: FuzzResult) -> str:
         lines.append(f"                   (trace: {shlex.quote(str(result.trace_path))})")
     else:
         if result.trace_path is not None:
-            # Replay builds the recorded engine only from inside the current project; one
-            # outside it is named on the command line, as the user named it to fuzz it.
-            engine = f" --engine {shlex.quote(result.target)}" if file_target_outside_project(result.target) else ""
-            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(result.trace_path))}{engine}")
+            lines.append(f"  this failure:    {replay_command(result)}")
         if result.regression_path is not None:
             missing = "" if _has_pytest() else "  (pytest is not installed here: pip install pytest)"
             lines.append(f"  as a test:       pytest {shlex.quote(str(result.regression_path))}{missing}")
@@ -137,6 +146,17 @@ def render_failure(result: FuzzResult) -> str:
     if result.blob is not None:
         lines.append(f"  hypothesis blob: {result.blob}")
     return "\n".join(lines)
+
+
+def replay_command(result: FuzzResult) -> str | None:
+    """``shardkit replay TRACE`` for the failure's trace, quoted for the shell; None without a
+    trace, or for one that replays only from Python."""
+    if result.trace_path is None or _needs_python(result.trace_path) is not None:
+        return None
+    # Replay builds the recorded engine only from inside the current project; one
+    # outside it is named on the command line, as the user named it to fuzz it.
+    engine = f" --engine {shlex.quote(result.target)}" if file_target_outside_project(result.target) else ""
+    return f"shardkit replay {shlex.quote(str(result.trace_path))}{engine}"
 
 
 def _steps(count: int) -> str:
@@ -196,15 +216,17 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
     print(render_failure(result), file=out)
 
 
-def report_document(result: FuzzResult) -> dict[str, Any]:
-    """The ``--report`` JSON (contract §6); its keys are a stable schema."""
+def report_document(result: FuzzResult, options: FuzzOptions | None = None) -> dict[str, Any]:
+    """The ``--report`` JSON (contract §6); its keys are a stable schema. ``options`` are the
+    run's (``run.options`` is null without them)."""
     coverage = coverage_by_operation(result)
     failures = []
     if result.failure is not None:
         records = result.failure.records
+        message = result.failure.violation.message
         failures.append(
             {
-                "message": result.failure.violation.message,
+                "message": message,
                 "property": result.failure.violation.property,
                 "steps": [
                     {
@@ -212,9 +234,14 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
                         "args": r.action.to_json()["args"],
                         "expected": r.expected,
                         "observed": r.observed,
+                        **_step_fields(r, violating=r is records[-1], message=message),
                     }
                     for r in records
                 ],
+                "violating_step": records[-1].index if records else None,
+                "read_more": read_more(result.failure.violation.property),
+                "replay_command": replay_command(result),
+                "regression_test": str(result.regression_path) if result.regression_path is not None else None,
                 "trace": str(result.trace_path) if result.trace_path is not None else None,
                 "faults": [
                     {"kind": r.action.args["kind"], "value": r.action.args["value"], "step": r.index}
@@ -238,4 +265,115 @@ def report_document(result: FuzzResult) -> dict[str, Any]:
             f"share_with_{LONG_SESSION_DECODES}_decodes": round(long_session_share(result), 4),
         },
         "failures": failures,
+        "run": {
+            "options": _options_fields(options) if options is not None else None,
+            "versions": {
+                "shardkit": __version__,
+                "hypothesis": hypothesis.__version__,
+                "python": platform.python_version(),
+            },
+            "rerun_command": result.rerun_command or None,
+        },
+    }
+
+
+#: How ``status_text`` and a prediction begin: a status code, and a prefill's or decode's cache result.
+_ANSWER = re.compile(r"(?P<status>[A-Z_]+)(?:/(?P<cache>[A-Z]+))?(?![A-Za-z_/])")
+#: A call of a parallel phase as its failure message lists it: name, ticks, the call, its answer.
+_LANE_CALL = re.compile(r"^\s*(?P<name>[A-Z]\d+) \[(?P<started>\d+)-(?P<ended>\d+)\] (?P<rest>.*)$")
+
+
+def _answer_fields(text: str) -> tuple[str | None, str | None]:
+    """The status code and cache result an expected or observed text starts with; (None, None)
+    for one that states something else (an output, metrics)."""
+    found = _ANSWER.match(text)
+    if found is None or found["status"] not in StatusCode.__members__:
+        return None, None
+    cache = found["cache"]
+    return found["status"], cache if cache in CacheResult.__members__ else None
+
+
+def _session_of(action: Action) -> str | None:
+    session = action.args.get("session")
+    return session if isinstance(session, str) else None
+
+
+def _step_fields(record: StepRecord, *, violating: bool, message: str) -> dict[str, Any]:
+    """What the HTML report draws of a step beyond the keys the schema had first: its lane,
+    the status and cache result expected and observed, and a parallel phase's lanes."""
+    expected_status, expected_cache = _answer_fields(record.expected)
+    observed_status, observed_cache = _answer_fields(record.observed)
+    lanes = record.action.args.get("lanes") if record.action.op == PARALLEL_OP else None
+    return {
+        "index": record.index,
+        "session": _session_of(record.action),
+        "note": record.action.note,
+        "outcome": record.outcome,
+        "expected_status": expected_status,
+        "expected_cache": expected_cache,
+        "observed_status": observed_status,
+        "observed_cache": observed_cache,
+        "violating": violating,
+        # Only a failing phase's message holds its calls' ticks and answers.
+        "lanes": _lane_fields(lanes, message if violating else "") if lanes is not None else None,
+    }
+
+
+def _lane_fields(lanes: Sequence[Sequence[Action]], message: str) -> list[list[dict[str, Any]]]:
+    """Each lane's calls: name (``A1``), op, args, session, and the ticks and answer the
+    message shows (null where it shows none)."""
+    shown: dict[str, tuple[int, int, str]] = {}
+    for line in message.splitlines():
+        found = _LANE_CALL.match(line)
+        if found is not None:
+            shown[found["name"]] = (int(found["started"]), int(found["ended"]), found["rest"])
+    fields = []
+    for lane, actions in enumerate(lanes):
+        calls = []
+        for index, action in enumerate(actions):
+            name = f"{chr(ord('A') + lane)}{index + 1}"
+            started, ended, rest = shown.get(name, (None, None, ""))
+            described = f"{action.describe()} → "
+            if rest.startswith(described):
+                answer: str | None = rest.removeprefix(described)
+            else:
+                answer = rest.rpartition(" → ")[2] if " → " in rest else None
+            status, cache = _answer_fields(answer) if answer is not None else (None, None)
+            calls.append(
+                {
+                    "call": name,
+                    "op": action.op,
+                    "args": action.to_json()["args"],
+                    "session": _session_of(action),
+                    "started": started,
+                    "ended": ended,
+                    "answer": answer,
+                    "observed_status": status,
+                    "observed_cache": cache,
+                }
+            )
+        fields.append(calls)
+    return fields
+
+
+def _options_fields(options: FuzzOptions) -> dict[str, Any]:
+    """The run's options by their ``FuzzOptions`` names, as JSON."""
+    reference = options.reference
+    if reference is not None and not isinstance(reference, str):
+        reference = getattr(reference, "name", None) or importable_name(reference) or repr(reference)
+    base = options.base
+    machine = importable_name(base) if isinstance(base, type) and base is not ShardMachine else None
+    return {
+        "examples": options.examples,
+        "steps": options.steps,
+        "role": options.role or "any",
+        "faults": options.faults,
+        "twins": options.twins,
+        "reference": reference,
+        "concurrency": options.concurrency,
+        "isolate": bool(options.isolate),
+        "step_timeout": options.step_timeout,
+        "worker_memory_mb": options.worker_memory_mb,
+        "machine": machine,
+        "minimize": options.minimize,
     }

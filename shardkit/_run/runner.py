@@ -34,6 +34,7 @@ from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministi
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
 from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, observed
 from shardkit._run.artefacts import Artefacts, run_settings_for
+from shardkit._run.database import open_database
 from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
 from shardkit._run.result import FuzzResult
 from shardkit._run.trace import DEFAULT_OUT
@@ -270,9 +271,11 @@ def fuzz(
         isinstance(target, ResolvedTarget) and target.isolation is isolation
     )
     # Hypothesis's defaults otherwise, exactly as a TestCase run with --shardkit-seed has them,
-    # so that both routes report the same failure from the same seed.
+    # so that both routes report the same failure from the same seed. No example database
+    # unless one is named: then its saved failures are replayed before the seed's examples.
+    database = open_database(options.database_choice)
     run_settings = settings(
-        max_examples=options.examples, stateful_step_count=options.steps, database=None, derandomize=False
+        max_examples=options.examples, stateful_step_count=options.steps, database=database, derandomize=False
     )
     try:
         result = run_machine(

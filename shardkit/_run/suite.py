@@ -18,15 +18,35 @@ from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import suite_settings
-from shardkit._machine.state_machine import ShardMachine
-from shardkit._run.artefacts import machine_identity
+from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._run.artefacts import Artefacts, machine_identity
+from shardkit._run.database import (
+    DATABASE_VARIABLE,
+    READ_ONLY_VARIABLE,
+    DatabaseChoice,
+    database_from_environment,
+    open_database,
+)
 from shardkit._run.report import render_failure
 from shardkit._run.runner import run_machine
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit.contract import Role
 from shardkit.errors import KitBug, ShardkitError, SuiteFailure
 
-__all__ = ["SuiteOverrides", "machine_for", "run_as_test", "suite_seed"]
+__all__ = [
+    "OUT_ENVIRONMENT",
+    "SuiteOverrides",
+    "item_seed",
+    "keep_fuzzer_failures",
+    "machine_for",
+    "run_as_test",
+    "suite_out",
+    "suite_seed",
+]
+
+#: Where a suite's traces go when pytest's ``--shardkit-out`` does not say, and where a
+#: machine HypoFuzz fuzzes leaves its traces (it runs no pytest options); else ``DEFAULT_OUT``.
+OUT_ENVIRONMENT = "SHARDKIT_OUT"
 
 
 @dataclass(frozen=True)
@@ -37,6 +57,10 @@ class SuiteOverrides:
     engine: str | None = None
     seed: int | None = None
     out: Path | None = None
+    #: The test's id when its machine runs in more than one test of the session (one suite
+    #: collected under several names or in several files): each test's seed then derives
+    #: from the run's seed and this id (``item_seed``), so no two fuzz the same examples.
+    item: str | None = None
 
 
 def machine_for(
@@ -83,6 +107,7 @@ def machine_for(
         worker_memory_mb=worker_memory_mb,
         suite_runner=run_as_test,
         concurrency=concurrency,
+        fuzzer_failures=keep_fuzzer_failures,
     )
 
 
@@ -95,13 +120,36 @@ def suite_seed(machine: type[ShardMachine], derandomized: bool) -> int:
     return random.SystemRandom().randrange(2**32)
 
 
+def item_seed(base: int, item: str) -> int:
+    """The seed of one test among several that run the same machine: derived from the run's
+    seed and the test's id, never from the worker or the order tests run in, so it is the
+    same however pytest-xdist hands out the tests."""
+    return int.from_bytes(hashlib.sha256(f"shardkit-item:{base}:{item}".encode()).digest()[:4], "little")
+
+
+def suite_out(overrides: SuiteOverrides) -> Path:
+    """Where a suite's traces go: ``--shardkit-out``, else ``$SHARDKIT_OUT``, else ``DEFAULT_OUT``."""
+    if overrides.out is not None:
+        return overrides.out
+    return Path(os.environ[OUT_ENVIRONMENT]) if os.environ.get(OUT_ENVIRONMENT) else DEFAULT_OUT
+
+
+def keep_fuzzer_failures(machine: type[ShardMachine]) -> Callable[[FailureReport], object]:
+    """What a machine's failures become when a fuzzer such as HypoFuzz drives it directly:
+    the shortest failure this process has seen, as a trace and regression test in
+    ``suite_out`` (``shardkit replay`` reproduces it). No seed names it: the fuzzer's inputs
+    are not a seed's."""
+    return Artefacts(machine, suite_out(SuiteOverrides()), seed=None).keep_shortest
+
+
 def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
     """What a machine's ``TestCase`` runs under pytest: the same run as ``shardkit fuzz``,
     raising ``SuiteFailure`` with the minimal failure and how to rerun it.
 
     With ``--shardkit-seed N`` the run is exactly ``shardkit fuzz … --seed N`` (same
     settings, no example database); otherwise it runs under the suite's settings or profile
-    (``suite_settings``) with a seed derived as ``suite_seed`` says."""
+    (``suite_settings``) with a seed derived as ``suite_seed`` says. ``SHARDKIT_DATABASE``,
+    when set, is the example database of every run, as it is ``shardkit fuzz``'s default."""
     __tracebackhide__ = True  # pytest: show the failure, not the runner's frames
     overrides = getattr(test, "shardkit_overrides", None)
     if not isinstance(overrides, SuiteOverrides):
@@ -112,11 +160,18 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
             machine = machine_for(overrides.engine, **machine.build_options)
         run_settings, _ = suite_settings(explicit if isinstance(explicit, settings) else None)
         if overrides.seed is not None:
-            seed = overrides.seed
+            base_seed = overrides.seed
             run_settings = settings(run_settings, database=None, derandomize=False)
         else:
-            seed = suite_seed(machine, run_settings.derandomize)
-        result = run_machine(machine, run_settings, seed=seed, out=overrides.out or DEFAULT_OUT)
+            base_seed = suite_seed(machine, run_settings.derandomize)
+        seed = item_seed(base_seed, overrides.item) if overrides.item is not None else base_seed
+        derandomized = run_settings.derandomize
+        shared = database_from_environment()
+        if shared is not None:
+            # Derandomized profiles too, where Hypothesis would drop any database: shardkit seeds
+            # every run itself, so the database only adds its saved failures before the seed's examples.
+            run_settings = settings(run_settings, database=open_database(shared), derandomize=False)
+        result = run_machine(machine, run_settings, seed=seed, out=suite_out(overrides))
     except ShardkitError as error:
         if isinstance(error, KitBug):
             raise
@@ -131,8 +186,21 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
         # rerun that test alone, not every suite the project's testpaths collect.
         current = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
         selected = f" {shlex.quote(current)}" if current else ""
-        result.rerun_command = f"pytest{selected} --shardkit-seed {seed}{engine}"
-        if overrides.seed is None and run_settings.derandomize:
+        result.rerun_command = f"{_database_variables(shared)}pytest{selected} --shardkit-seed {seed}{engine}"
+        if overrides.item is not None:
+            # Run alone, the test is its machine's only one, so the seed printed is its own.
+            result.rerun_command += f"  (this test's own seed, derived from the run's seed {base_seed} and its id)"
+        elif overrides.seed is None and derandomized:
             result.rerun_command += "  (or plain pytest: the profile is derandomized)"
         message = render_failure(result)
         raise SuiteFailure(message, message[message.index("reproduce:") :])
+
+
+def _database_variables(shared: DatabaseChoice | None) -> str:
+    """The variables that give a rerun the same example database (none when none was named);
+    a password stays in the environment it came from."""
+    if shared is None:
+        return ""
+    value = f'"${DATABASE_VARIABLE}"' if shared.shown != shared.value else shlex.quote(shared.value)
+    read_only = f"{READ_ONLY_VARIABLE}=1 " if shared.read_only else ""
+    return f"{DATABASE_VARIABLE}={value} {read_only}"

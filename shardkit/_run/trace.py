@@ -44,6 +44,7 @@ __all__ = [
     "machine_fields",
     "trace_document",
     "write_atomically",
+    "write_new",
 ]
 
 #: The module name ``shardkit._core.targets`` gives a ``file.py:attr`` target's file when it imports it.
@@ -272,3 +273,40 @@ def write_atomically(path: Path, document: Mapping[str, Any] | str) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_new(path: Path, document: Mapping[str, Any] | str) -> bool:
+    """Write ``document`` to ``path`` only if no file is there yet; False if one is.
+
+    Claiming the name and writing the content are one step: the document is written to a
+    temporary file that is then hard-linked to ``path``, which fails if ``path`` exists. So
+    of two processes claiming one name (pytest-xdist workers, HypoFuzz processes) exactly
+    one gets it, and the other never reads it half-written. Where the file system has no
+    hard links, the name is claimed with ``O_CREAT | O_EXCL`` and then written (a reader may
+    then see it half-written and, finding no failure it knows there, take another name)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = document if isinstance(document, str) else json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(handle, 0o666 & ~current_umask())
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return False
+        except OSError:
+            return _create_exclusively(path, text)
+        return True
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _create_exclusively(path: Path, text: str) -> bool:
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(handle, "w", encoding="utf-8") as file:
+        file.write(text)
+    return True

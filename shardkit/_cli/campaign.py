@@ -1,0 +1,148 @@
+"""``shardkit campaign``: the command around ``shardkit._campaign``. It checks everything
+before the first worker starts (a failure found must never be lost to a folder that cannot
+be written), shows the campaign while it runs, and prints and writes its one merged report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, for_command, one_line
+from shardkit.errors import UsageError
+
+__all__ = ["campaign_command"]
+
+
+def campaign_command(args: argparse.Namespace) -> int:
+    from shardkit._campaign.progress import LiveBoard, RoundLines, Tally
+    from shardkit._campaign.run import CampaignPlan, run_campaign
+    from shardkit._cli.fuzz import _check_out_folder
+    from shardkit._run.database import choose_database
+    from shardkit._run.options import FuzzOptions
+    from shardkit._run.trace import write_atomically
+    from shardkit._transport.resolve import resolve_target
+
+    with for_command("campaign"):
+        options = FuzzOptions(
+            examples=args.examples,
+            steps=args.steps,
+            role=args.role,
+            faults=args.faults,
+            twins=not args.no_twins,
+            concurrency=args.concurrency,
+            database=choose_database(args.database, args.database_read_only),
+        )
+    workers = args.workers if args.workers is not None else os.cpu_count() or 1
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    try:
+        _check_out_folder(args.out)
+    except UsageError as error:
+        raise UsageError(str(error).replace("shardkit fuzz:", "shardkit campaign:", 1)) from None
+    for option, path in (("--report", args.report), ("--html", args.html)):
+        if path is not None:
+            _check_output_file(option, path)
+    write_html = _html_writer() if args.html is not None else None
+    # An unknown target is a usage error here, once, not one per worker.
+    target = resolve_target(args.target)
+    command = _command_line(options, target.name, workers, args.minutes, seed)
+    print(command, flush=True)
+
+    tally = Tally(workers)
+    view = LiveBoard(sys.stderr, tally, args.minutes) if sys.stderr.isatty() else RoundLines(sys.stderr, tally)
+
+    def on_event(event: Any) -> None:
+        if event is not None:
+            tally.apply(event, time.monotonic())
+        view(event)
+
+    plan = CampaignPlan(args.target, options, workers, seed, args.out, minutes=args.minutes, target_name=target.name, command=command)
+    try:
+        result = run_campaign(plan, on_event)
+    finally:
+        view.clear()
+    print(result.text())
+    found = bool(result.failures)
+    for line in _error_lines(result.errors):
+        print(line, file=sys.stderr)
+    unwritten = False
+    document = result.document()
+    if args.report is not None:
+        try:
+            write_atomically(args.report, document)
+            print(f"report: {args.report}")
+        except OSError as error:
+            print(f"shardkit campaign: could not write --report {args.report}: {error.strerror or error}", file=sys.stderr)
+            unwritten = True
+    if write_html is not None:
+        try:
+            write_html(document, args.html)
+            print(f"html: {args.html}")
+        except (OSError, ValueError) as error:
+            print(f"shardkit campaign: could not write --html {args.html}: {one_line(str(error))}", file=sys.stderr)
+            unwritten = True
+    if found:
+        return EXIT_FAILURE
+    if result.errors or unwritten:
+        return EXIT_USAGE
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+
+
+def _command_line(options: Any, target: str, workers: int, minutes: float, seed: int) -> str:
+    """The campaign's own command, with the seed: what it ran can be run again (the rounds a
+    time limit allows vary with the machine; each round's seed does not)."""
+    fuzz_line = options.command(target, seed, None, None)
+    fuzz_start = f"shardkit fuzz {shlex.quote(target)} --seed {seed}"
+    assert fuzz_line.startswith(fuzz_start)
+    fuzz_options = fuzz_line[len(fuzz_start) :]
+    return f"shardkit campaign {shlex.quote(target)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}"
+
+
+def _check_output_file(option: str, path: Path) -> None:
+    """``--report`` and ``--html`` must name a file in an existing folder this process can write in."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"shardkit campaign: {option} {path} is a folder; name a file in it, e.g. {path / 'campaign'}")
+    if not folder.is_dir():
+        raise UsageError(f"shardkit campaign: {option} {path}: the folder {folder} does not exist; create it or name another")
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
+            pass
+    except OSError as error:
+        message = f"shardkit campaign: {option} {path}: cannot write in {folder} ({error.strerror or error}); choose a folder you can write in"
+        raise UsageError(message) from None
+
+
+def _html_writer() -> Any:
+    """``shardkit._html.write_html``, imported before the run: a missing renderer is said at
+    once, not after the minutes of the campaign."""
+    try:
+        from shardkit._html import write_html
+    except ImportError as error:
+        message = f"shardkit campaign: --html needs the HTML renderer shardkit._html, which cannot be imported here ({error}); leave out --html, or reinstall shardkit"
+        raise UsageError(message) from None
+    return write_html
+
+
+def _error_lines(errors: list[Any]) -> list[str]:
+    """One line per distinct error (an engine that cannot be built fails in every worker
+    alike), and the traceback of a bug of the kit."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for error in errors:
+        if error.error in seen:
+            continue
+        seen.add(error.error)
+        where = f"worker {error.worker} round {error.round} (seed {error.seed}): " if error.round else ""
+        if error.details:
+            lines.append(error.details.rstrip())
+            lines.append(f"shardkit: internal error: {where}{one_line(error.error)}; this is a bug in shardkit: please report it with the command that ran")
+        else:
+            lines.append(f"shardkit campaign: error: {where}{one_line(error.error)}")
+    return lines

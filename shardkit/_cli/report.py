@@ -1,0 +1,93 @@
+"""``shardkit report REPORT.json -o report.html``: a ``--report`` document drawn as one HTML
+page, and the check of an HTML file named on the command line (``fuzz --html``) before a run.
+
+Every mistake of the user (a file that is missing, a folder, not JSON, not a shardkit
+report, nowhere to write) is one line naming the value and the fix, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shardkit._cli.parser import EXIT_OK, EXIT_USAGE
+from shardkit.errors import UsageError
+
+__all__ = ["check_output_file", "read_report", "report_command"]
+
+#: What the user is asked to name when the file they named is not a report.
+WHAT_TO_NAME = "name the JSON file `shardkit fuzz --report FILE` wrote"
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from shardkit._html import write_html
+
+    source: Path = args.report
+    output: Path = args.output if args.output is not None else source.with_suffix(".html")
+    document = read_report(source)
+    if output.resolve() == source.resolve():
+        other = source.with_name(f"{source.stem}-report.html")
+        raise UsageError(f"shardkit report: -o {output} is the report itself; name another file, e.g. -o {other}")
+    check_output_file("report", "-o", output, "report.html")
+    try:
+        write_html(document, output)
+    except OSError as error:
+        print(f"shardkit report: could not write -o {output}: {error.strerror or error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"html: {output}")
+    return EXIT_OK
+
+
+def read_report(source: Path) -> dict[str, Any]:
+    """The report document in ``source``; ``UsageError`` saying what is wrong with the file."""
+    from shardkit._html import document_problem
+
+    if source.is_dir():
+        raise UsageError(f"shardkit report: {source} is a folder; {WHAT_TO_NAME}, e.g. {source / 'report.json'}")
+    if not source.exists():
+        raise UsageError(f"shardkit report: {source} does not exist; {WHAT_TO_NAME}")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"shardkit report: {source} is not UTF-8 text, so not a report; {WHAT_TO_NAME}") from None
+    except OSError as error:
+        raise UsageError(f"shardkit report: cannot read {source} ({error.strerror or error}); {WHAT_TO_NAME}") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno} column {error.colno}: {error.msg}"
+        raise UsageError(f"shardkit report: {source} is not JSON ({where}); {WHAT_TO_NAME}") from None
+    except (ValueError, RecursionError):
+        raise UsageError(f"shardkit report: {source} is not JSON a report can hold; {WHAT_TO_NAME}") from None
+    if isinstance(document, dict) and document.get("format") == "shardkit-trace":
+        message = f"shardkit report: {source} is a failure trace, not a run report; replay it with `shardkit replay {shlex.quote(str(source))}`, or {WHAT_TO_NAME}"
+        raise UsageError(message)
+    problem = document_problem(document)
+    if problem is not None:
+        raise UsageError(f"shardkit report: {source} is not a shardkit report: {problem}; {WHAT_TO_NAME}")
+    assert isinstance(document, dict)  # document_problem accepts only an object
+    return document
+
+
+def check_output_file(command: str, option: str, path: Path, example: str) -> None:
+    """``path`` must name a file in an existing folder this process can write in: checked
+    before anything runs, so that nothing a run finds is lost to a typo."""
+    folder = path.parent
+    if path.is_dir():
+        raise UsageError(f"shardkit {command}: {option} {path} is a folder; name a file, e.g. {path / example}")
+    if not folder.exists():
+        message = f"shardkit {command}: {option} {path}: the folder {folder} does not exist; create it or name a file in an existing folder"
+        raise UsageError(message)
+    if not folder.is_dir():
+        raise UsageError(f"shardkit {command}: {option} {path}: {folder} is a file, not a folder")
+    try:
+        # Creating a file is the only test of permissions that mounts, ACLs and root agree on.
+        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
+            pass
+    except OSError as error:
+        message = f"shardkit {command}: {option} {path}: cannot write in {folder} ({error.strerror or error}); choose a folder you can write in"
+        raise UsageError(message) from None
