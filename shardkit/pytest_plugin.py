@@ -4,6 +4,7 @@ command in a failing suite's report. A thin adapter: the work is in ``shardkit._
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +43,19 @@ def _seed(text: str) -> int:
         raise pytest.UsageError(str(error)) from None
 
 
+def _check_out_folder(out: str | None, named_by: str) -> None:
+    """Where the traces go must be a folder (or not exist yet): a failure found must never
+    lose its trace to a typo, found out only once a suite has failed."""
+    if out is None:
+        return
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise pytest.UsageError(f"{named_by} {out} is a file, not a folder; name a folder for the failure traces")
+    existing = next((parent for parent in folder.parents if parent.exists()), Path("."))
+    if not existing.is_dir():
+        raise pytest.UsageError(f"{named_by} {out} cannot be created: {existing} is a file, not a folder")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("shardkit", "shardkit: fuzzing shard engines")
     group.addoption(
@@ -69,7 +83,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from shardkit._run.suite import SuiteOverrides
+    from shardkit._run.suite import OUT_ENVIRONMENT, SuiteOverrides
 
     engine = config.getoption("shardkit_engine")
     seed_text = config.getoption("shardkit_seed")
@@ -81,6 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
             resolve_target(engine)
         except ValueError as error:
             raise pytest.UsageError(f"{ENGINE_OPTION}: {error}") from None
+    _check_out_folder(out, OUT_OPTION)
+    _check_out_folder(os.environ.get(OUT_ENVIRONMENT) or None, f"${OUT_ENVIRONMENT}")
     # Under pytest-xdist every worker takes the controller's seed: "--shardkit-seed random"
     # parsed in each worker would give each its own, and not the one the header printed.
     worker_input = getattr(config, "workerinput", None)

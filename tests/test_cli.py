@@ -544,7 +544,12 @@ def test_a_trace_that_cannot_be_written_after_a_failure_prints_the_failure_and_e
     def disk_full(path: Path, document: object) -> Path:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
+    def disk_full_on_claim(path: Path, document: object) -> bool:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    # Both ways a trace reaches the disk: replacing a file, and claiming a new name.
     monkeypatch.setattr("shardkit._run.artefacts.write_atomically", disk_full)
+    monkeypatch.setattr("shardkit._run.artefacts.write_new", disk_full_on_claim)
     out_dir = tmp_path / "failures"
     code, out, err = run(capsys, "fuzz", "tests.planted:ReleaseLeaksKvTokens", "--seed", "3", "--out", out_dir)
     assert code == 1, (out, err)

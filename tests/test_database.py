@@ -293,6 +293,27 @@ def test_a_redis_that_fails_mid_run_warns_once_and_the_saves_go_local(tmp_path: 
     )
 
 
+def test_a_redis_that_refuses_the_password_says_so_not_that_it_is_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrong password is a mistake to fix, not an outage to wait out."""
+    from redis import Redis
+    from redis.exceptions import AuthenticationError
+
+    from shardkit._run.database import open_database
+
+    def refuse(self: Redis) -> bool:
+        raise AuthenticationError("invalid username-password pair or user is disabled.")
+
+    monkeypatch.setattr(Redis, "ping", refuse)
+    warnings: list[str] = []
+    choice = DatabaseChoice("redis", "redis://:secret@cache.example:6379/0")
+    open_database(choice, fallback=tmp_path / "examples", warn=warnings.append)
+    [warning] = warnings
+    assert warning.startswith("shardkit: warning: the example database redis://:****@cache.example:6379/0 refused the login ("), warning
+    assert "secret" not in warning
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [

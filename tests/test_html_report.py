@@ -391,8 +391,11 @@ def test_several_failures_each_get_their_section(planted: tuple[dict[str, Any], 
     second = {**copy.deepcopy(first), "property": "§2 rule 4", "read_more": "docs/contract.md#rule-4"}
     second["steps"] = second["steps"][-1:]
     second["replay_command"] = "shardkit replay other-trace.json"
+    second["rerun_command"] = "shardkit fuzz engine.py:Engine --seed 1234"
+    second["found_in_rounds"] = 3
     document["failures"] = [first, second]
-    document["campaign"] = {"workers": 2, "rounds": 6}
+    seeds = [{"worker": 1, "round": 1, "seed": 1234}, {"worker": 2, "round": 1, "seed": 5678}]
+    document["campaign"] = {"workers": 2, "rounds": 6, "seeds": seeds, "errors": []}
     dom = parse(render_html(document))
     sections = dom.find_all("section", cls="failure")
     assert [section.attrs["id"] for section in sections] == ["failure-1", "failure-2"]
@@ -402,7 +405,13 @@ def test_several_failures_each_get_their_section(planted: tuple[dict[str, Any], 
         assert len(section.find_all("tr", cls="violating")) == 1
         assert section.one("code", cls="rule").text() == failure["read_more"]
     assert "2 failures" in dom.one("p", cls="verdict").text()
-    assert "workers" in dom.one("section", id="campaign").text()
+    campaign = dom.one("section", id="campaign")
+    assert "workers" in campaign.text()
+    seed_rows = campaign.one("table", cls="seeds").find_all("tr")[1:]
+    assert [[cell.text() for cell in row.find_all("td")] for row in seed_rows] == [["1", "1", "1234"], ["2", "1", "5678"]]
+    assert "errors" not in campaign.text(), "an empty list of errors is no fact worth a row"
+    assert sections[1].one("code", cls="rerun_command").text() == second["rerun_command"]
+    assert sections[1].one("dd", cls="found_in_rounds").text() == "3 rounds"
     replays = [code.text() for code in dom.one("section", id="run").find_all("code", cls="replay_command")]
     assert replays == [first["replay_command"], "shardkit replay other-trace.json"]
 

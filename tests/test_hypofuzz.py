@@ -77,9 +77,12 @@ def _stop(campaign: subprocess.Popen[str]) -> str:
 
 
 def test_a_bug_hypofuzz_finds_is_left_as_a_trace_that_replays(project: Path) -> None:
+    """Run as the docs' CI command: with CI set, Hypothesis loads its own "ci" profile at
+    import, which has no database; shardkit-dev must still have one, or HypoFuzz cannot start."""
     out = project / "found"
     campaign = subprocess.Popen(
         _fuzz_command("test_stale_epoch.py", "-p", "no:cacheprovider", "--hypothesis-profile", "shardkit-dev"),
+        env={**os.environ, "CI": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

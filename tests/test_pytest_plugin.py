@@ -112,3 +112,50 @@ def test_a_suite_set_up_wrong_says_what_to_fix_without_the_kits_frames(
     output = result.stdout.str()
     assert "shardkit/_machine" not in output, output
     assert "shardkit/_run" not in output, output
+
+
+@pytest.mark.parametrize("named_by", ["option", "variable"])
+def test_a_trace_folder_that_is_a_file_is_refused_before_any_suite_runs(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, named_by: str
+) -> None:
+    """Found only after a suite failed, the failure's trace would be lost."""
+    (suite.path / "notes.txt").write_text("not a folder\n")
+    if named_by == "option":
+        result = suite.runpytest_subprocess("--shardkit-out", "notes.txt")
+        expected = "*--shardkit-out notes.txt is a file, not a folder; name a folder for the failure traces*"
+    else:
+        monkeypatch.setenv("SHARDKIT_OUT", "notes.txt")
+        result = suite.runpytest_subprocess()
+        expected = "*$SHARDKIT_OUT notes.txt is a file, not a folder; name a folder for the failure traces*"
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([expected])
+
+
+def test_a_failure_whose_trace_cannot_be_written_says_so(
+    pytester: pytest.Pytester, repo_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up while the suite runs: the failure is reported, and so is the trace it could not keep."""
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    pytester.makeconftest(
+        """
+import errno, os
+
+def disk_full(path, document):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+def pytest_configure(config):
+    import shardkit._run.artefacts as artefacts
+    artefacts.write_new = disk_full
+    artefacts.write_atomically = disk_full
+"""
+    )
+    pytester.makepyfile(
+        test_leak="""
+from shardkit import machine_for
+
+TestLeak = machine_for("shardkit._planted:ReleaseLeaksKvTokens", role="full", faults="none").TestCase
+"""
+    )
+    result = pytester.runpytest_subprocess("--shardkit-seed", "1", "--shardkit-out", "traces")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*FAILURE (§2 metrics)*", "*(no trace was kept: could not write*No space left on device*"])

@@ -9,9 +9,7 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, for_command, one_line
@@ -23,7 +21,7 @@ __all__ = ["campaign_command"]
 def campaign_command(args: argparse.Namespace) -> int:
     from shardkit._campaign.progress import LiveBoard, RoundLines, Tally
     from shardkit._campaign.run import CampaignPlan, run_campaign
-    from shardkit._cli.fuzz import _check_out_folder
+    from shardkit._cli.paths import check_out_folder, check_output_file
     from shardkit._run.database import choose_database
     from shardkit._run.options import FuzzOptions
     from shardkit._run.trace import write_atomically
@@ -41,13 +39,10 @@ def campaign_command(args: argparse.Namespace) -> int:
         )
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    try:
-        _check_out_folder(args.out)
-    except UsageError as error:
-        raise UsageError(str(error).replace("shardkit fuzz:", "shardkit campaign:", 1)) from None
-    for option, path in (("--report", args.report), ("--html", args.html)):
+    check_out_folder("campaign", args.out)
+    for option, path, example in (("--report", args.report, "campaign.json"), ("--html", args.html, "campaign.html")):
         if path is not None:
-            _check_output_file(option, path)
+            check_output_file("campaign", option, path, example)
     write_html = _html_writer() if args.html is not None else None
     # An unknown target is a usage error here, once, not one per worker.
     target = resolve_target(args.target)
@@ -102,21 +97,6 @@ def _command_line(options: Any, target: str, workers: int, minutes: float, seed:
     assert fuzz_line.startswith(fuzz_start)
     fuzz_options = fuzz_line[len(fuzz_start) :]
     return f"shardkit campaign {shlex.quote(target)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}"
-
-
-def _check_output_file(option: str, path: Path) -> None:
-    """``--report`` and ``--html`` must name a file in an existing folder this process can write in."""
-    folder = path.parent
-    if path.is_dir():
-        raise UsageError(f"shardkit campaign: {option} {path} is a folder; name a file in it, e.g. {path / 'campaign'}")
-    if not folder.is_dir():
-        raise UsageError(f"shardkit campaign: {option} {path}: the folder {folder} does not exist; create it or name another")
-    try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
-            pass
-    except OSError as error:
-        message = f"shardkit campaign: {option} {path}: cannot write in {folder} ({error.strerror or error}); choose a folder you can write in"
-        raise UsageError(message) from None
 
 
 def _html_writer() -> Any:

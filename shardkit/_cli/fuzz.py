@@ -7,12 +7,11 @@ import argparse
 import random
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
-from shardkit._cli.report import check_output_file
+from shardkit._cli.paths import check_out_folder, check_output_file
 from shardkit._core.targets import IsolationOptions
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
@@ -45,9 +44,9 @@ def fuzz_command(args: argparse.Namespace) -> int:
         )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
-    _check_out_folder(args.out)
+    check_out_folder("fuzz", args.out)
     if args.report is not None:
-        _check_report_file(args.report)
+        check_output_file("fuzz", "--report", args.report, "report.json")
     if args.html is not None:
         check_output_file("fuzz", "--html", args.html, "report.html")
         if args.report is not None and args.html.resolve() == args.report.resolve():
@@ -99,46 +98,6 @@ def fuzz_command(args: argparse.Namespace) -> int:
 
 def _reason(error: OSError) -> str:
     return error.strerror or str(error)
-
-
-def _check_out_folder(out: Path) -> None:
-    """``--out`` must be a folder this process can write in, or one it can create."""
-    if out.exists():
-        if not out.is_dir():
-            message = f"shardkit fuzz: --out {out} is a file, not a folder; name a folder for the failure traces"
-            raise UsageError(message)
-        _check_writable(out, f"--out {out}: cannot write in it")
-        return
-    existing = next((parent for parent in out.parents if parent.exists()), Path("."))
-    if not existing.is_dir():
-        message = f"shardkit fuzz: --out {out} cannot be created: {existing} is a file, not a folder"
-        raise UsageError(message)
-    _check_writable(existing, f"--out {out}: cannot create it in {existing}")
-
-
-def _check_report_file(report: Path) -> None:
-    """``--report`` must name a file in an existing folder this process can write in."""
-    folder = report.parent
-    if report.is_dir():
-        message = f"shardkit fuzz: --report {report} is a folder; name a file, e.g. {report / 'report.json'}"
-        raise UsageError(message)
-    if not folder.exists():
-        message = f"shardkit fuzz: --report {report}: the folder {folder} does not exist"
-        raise UsageError(message)
-    if not folder.is_dir():
-        message = f"shardkit fuzz: --report {report}: {folder} is a file, not a folder"
-        raise UsageError(message)
-    _check_writable(folder, f"--report {report}: cannot write in {folder}")
-
-
-def _check_writable(folder: Path, problem: str) -> None:
-    """Create (and remove) a file in ``folder``: the only test permissions, mounts and root agree on."""
-    try:
-        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
-            pass
-    except OSError as error:
-        message = f"shardkit fuzz: {problem} ({_reason(error)}); choose a folder you can write in"
-        raise UsageError(message) from None
 
 
 class _Progress:

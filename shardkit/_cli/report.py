@@ -10,14 +10,14 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from shardkit._cli.parser import EXIT_OK, EXIT_USAGE
+from shardkit._cli.paths import check_output_file
 from shardkit.errors import UsageError
 
-__all__ = ["check_output_file", "read_report", "report_command"]
+__all__ = ["read_report", "report_command"]
 
 #: What the user is asked to name when the file they named is not a report.
 WHAT_TO_NAME = "name the JSON file `shardkit fuzz --report FILE` wrote"
@@ -73,21 +73,3 @@ def read_report(source: Path) -> dict[str, Any]:
     return document
 
 
-def check_output_file(command: str, option: str, path: Path, example: str) -> None:
-    """``path`` must name a file in an existing folder this process can write in: checked
-    before anything runs, so that nothing a run finds is lost to a typo."""
-    folder = path.parent
-    if path.is_dir():
-        raise UsageError(f"shardkit {command}: {option} {path} is a folder; name a file, e.g. {path / example}")
-    if not folder.exists():
-        message = f"shardkit {command}: {option} {path}: the folder {folder} does not exist; create it or name a file in an existing folder"
-        raise UsageError(message)
-    if not folder.is_dir():
-        raise UsageError(f"shardkit {command}: {option} {path}: {folder} is a file, not a folder")
-    try:
-        # Creating a file is the only test of permissions that mounts, ACLs and root agree on.
-        with tempfile.TemporaryFile(dir=folder, prefix=".shardkit-write-check-"):
-            pass
-    except OSError as error:
-        message = f"shardkit {command}: {option} {path}: cannot write in {folder} ({error.strerror or error}); choose a folder you can write in"
-        raise UsageError(message) from None

@@ -154,8 +154,24 @@ def _summary(document: Mapping[str, Any], failures: Sequence[Mapping[str, Any]])
 
 
 def _campaign(campaign: Mapping[str, Any]) -> str:
-    rows = "".join(f"<dt>{_e(key)}</dt><dd>{_e(_text(value))}</dd>" for key, value in campaign.items())
-    return f'<section id="campaign"><h2>Campaign</h2><dl class="facts">{rows}</dl></section>'
+    """The campaign's facts; its rounds' seeds as a table (worker, round, seed), each of
+    which reruns that round alone with ``shardkit fuzz --seed``."""
+    rows = "".join(
+        f"<dt>{_e(key)}</dt><dd>{_e(_text(value))}</dd>"
+        for key, value in campaign.items()
+        if key != "seeds" and not (key == "errors" and not value)
+    )
+    seeds = campaign.get("seeds")
+    table = ""
+    if isinstance(seeds, list) and seeds:
+        cells = "".join(
+            f"<tr><td>{_e(_text(entry.get('worker')))}</td><td>{_e(_text(entry.get('round')))}</td>"
+            f'<td class="mono">{_e(_text(entry.get("seed")))}</td></tr>'
+            for entry in seeds
+            if isinstance(entry, Mapping)
+        )
+        table = f'<table class="seeds"><tr><th>worker</th><th>round</th><th>seed</th></tr>{cells}</table>'
+    return f'<section id="campaign"><h2>Campaign</h2><dl class="facts">{rows}</dl>{table}</section>'
 
 
 # --- a failure ---------------------------------------------------------------------------------
@@ -469,11 +485,21 @@ def _lane_call(call: Mapping[str, Any]) -> str:
 
 def _reproduce(failure: Mapping[str, Any]) -> str:
     rows = []
-    for label, key in (("this failure", "replay_command"), ("as a test", "regression_test"), ("trace", "trace")):
+    # A campaign's failure also names the round that found it (``rerun_command``) and how
+    # many rounds did (``found_in_rounds``), as its printed report does.
+    for label, key in (
+        ("this failure", "replay_command"),
+        ("as a test", "regression_test"),
+        ("trace", "trace"),
+        ("its round", "rerun_command"),
+    ):
         value = failure.get(key)
         if isinstance(value, str) and value:
             shown = f"pytest {value}" if key == "regression_test" else value
             rows.append(f'<dt>{_e(label)}</dt><dd><code class="{_e(key)}">{_e(shown)}</code></dd>')
+    found_in = failure.get("found_in_rounds")
+    if isinstance(found_in, int) and not isinstance(found_in, bool):
+        rows.append(f'<dt>found in</dt><dd class="found_in_rounds">{found_in} round{"" if found_in == 1 else "s"}</dd>')
     if not rows:
         return '<p class="muted">no trace was written for this failure</p>'
     return f'<h3>Reproduce</h3><dl class="reproduce">{"".join(rows)}</dl>'

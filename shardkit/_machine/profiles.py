@@ -65,10 +65,16 @@ def time_independent(base: settings) -> settings:
 
 
 def register_profiles() -> None:
+    # Built on Hypothesis's "default" profile, not on the one loaded now: on a CI machine
+    # (where CI is set) Hypothesis loads its "ci" profile by itself, which has no database,
+    # and shardkit-dev and shardkit-nightly would lose theirs (HypoFuzz then cannot start).
+    default = settings.get_profile("default")
     for name, (examples, steps, derandomized) in PROFILES.items():
         settings.register_profile(
             name,
-            time_independent(settings(max_examples=examples, stateful_step_count=steps, derandomize=derandomized)),
+            time_independent(
+                settings(default, max_examples=examples, stateful_step_count=steps, derandomize=derandomized)
+            ),
         )
 
 

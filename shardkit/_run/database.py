@@ -210,6 +210,7 @@ def _open_redis(choice: DatabaseChoice, fallback: Path, warn: Warn) -> ExampleDa
     from hypothesis.extra.redis import RedisExampleDatabase
     from redis import Redis
     from redis.backoff import NoBackoff
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ResponseError
     from redis.retry import Retry
 
     local = DirectoryBasedExampleDatabase(fallback)
@@ -224,8 +225,13 @@ def _open_redis(choice: DatabaseChoice, fallback: Path, warn: Warn) -> ExampleDa
         client.ping()
     except Exception as error:  # redis.RedisError, OSError, or a TLS error: all mean "not this server"
         client.close()
+        # A wrong password is no outage: said as such, a CI that never shares is fixed at once.
+        refused = isinstance(error, AuthenticationError | AuthenticationWrongNumberOfArgsError) or (
+            isinstance(error, ResponseError) and "NOAUTH" in str(error)
+        )
+        problem = "refused the login" if refused else "cannot be reached"
         warn(
-            f"shardkit: warning: the example database {choice.shown} cannot be reached ({_reason(error)}); "
+            f"shardkit: warning: the example database {choice.shown} {problem} ({_reason(error)}); "
             f"{_using_local(fallback, choice.read_only)} instead"
         )
         return local

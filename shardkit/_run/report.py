@@ -180,7 +180,7 @@ def counts_line(result: FuzzResult) -> str:
         requested = result.requested_examples
         extra = result.examples - requested if requested is not None else 0
         discarded = f" and {extra} that Hypothesis discarded as invalid" if extra > 0 else ""
-        counted = f"{result.examples} examples ({requested or result.examples} as --examples counts them{discarded}), {result.steps} steps"
+        counted = f"{_examples(result.examples)} ({requested or result.examples} as --examples counts them{discarded}), {result.steps} steps"
     return (
         f"{counted}; {result.elapsed_s:.1f}s ({rate:,.0f} steps/s); "
         f"faults: {', '.join(sorted(result.faults)) or 'none'}"

@@ -193,6 +193,9 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
         elif overrides.seed is None and derandomized:
             result.rerun_command += "  (or plain pytest: the profile is derandomized)"
         message = render_failure(result)
+        if result.write_error:
+            # The failure stands; what it could not leave on disk is said with it, not lost.
+            message += f"\n(no trace was kept: {result.write_error})"
         raise SuiteFailure(message, message[message.index("reproduce:") :])
 
 
