@@ -206,6 +206,15 @@ def test_a_file_that_is_not_a_trace_is_refused_with_one_line(
     assert "Traceback" not in captured.err
 
 
+def test_a_run_report_given_to_replay_points_to_shardkit_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"target": "x:y", "seed": 1, "coverage": {}, "failures": []}))
+    assert main(["replay", str(report)]) == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1, line
+    assert "it is a run report: replay a trace its failures name, or draw it with `shardkit report`" in line
+
+
 def test_a_truncated_trace_says_it_looks_truncated(good_trace: dict[str, Any], tmp_path: Path) -> None:
     text = json.dumps(good_trace, indent=2)
     trace = tmp_path / "cut.json"

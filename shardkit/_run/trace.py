@@ -261,16 +261,11 @@ def write_atomically(path: Path, document: Mapping[str, Any] | str) -> Path:
     """Write to a temporary file beside ``path`` and rename it into place, so a
     killed run never leaves a half-written file. The file gets the permissions any
     new file of the user gets (0666 less the umask), not the temporary file's 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = document if isinstance(document, str) else json.dumps(document, indent=2, ensure_ascii=False) + "\n"
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _, temporary = _written_beside(path, document)
     try:
-        os.fchmod(handle, 0o666 & ~current_umask())
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     return path
 
@@ -284,6 +279,21 @@ def write_new(path: Path, document: Mapping[str, Any] | str) -> bool:
     one gets it, and the other never reads it half-written. Where the file system has no
     hard links, the name is claimed with ``O_CREAT | O_EXCL`` and then written (a reader may
     then see it half-written and, finding no failure it knows there, take another name)."""
+    text, temporary = _written_beside(path, document)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        return False
+    except OSError:
+        return _create_exclusively(path, text)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return True
+
+
+def _written_beside(path: Path, document: Mapping[str, Any] | str) -> tuple[str, Path]:
+    """``document`` as text, and a temporary file beside ``path`` that holds it, with the
+    permissions any new file of the user gets (0666 less the umask), not mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = document if isinstance(document, str) else json.dumps(document, indent=2, ensure_ascii=False) + "\n"
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -291,15 +301,10 @@ def write_new(path: Path, document: Mapping[str, Any] | str) -> bool:
         os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            return False
-        except OSError:
-            return _create_exclusively(path, text)
-        return True
-    finally:
+    except BaseException:
         Path(temporary).unlink(missing_ok=True)
+        raise
+    return text, Path(temporary)
 
 
 def _create_exclusively(path: Path, text: str) -> bool:

@@ -247,6 +247,9 @@ def read_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     kind = document.get("format")
     if kind != TRACE_FORMAT:
         message = f"{path} is not a shardkit trace (format {_short(kind)}, expected {TRACE_FORMAT!r})"
+        if kind is None and "failures" in document and "coverage" in document:
+            # A run's --report names its traces; the report itself is drawn, not replayed.
+            message += "; it is a run report: replay a trace its failures name, or draw it with `shardkit report`"
         raise TraceFormatError(message)
     version = document.get("version")
     if type(version) is not int or version != TRACE_VERSION:
