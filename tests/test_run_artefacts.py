@@ -263,3 +263,27 @@ def test_the_printed_test_command_says_when_pytest_is_missing(tmp_path: Path, mo
     monkeypatch.setattr(report, "_has_pytest", lambda: False)
     (line,) = [line for line in report.render_failure(result).splitlines() if "as a test:" in line]
     assert line.endswith("(pytest is not installed here: pip install pytest)")
+
+
+def test_two_checkouts_of_one_project_share_an_identity_and_another_file_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file target is known by its path from the folder the run starts in: a CI runner's
+    checkout and a laptop's name the same engine (trace digests, database keys, suite seeds)."""
+    engine = "from shardkit import FakeShardEngine as Engine\n"
+    for checkout in ("ci-runner", "laptop"):
+        (tmp_path / checkout / "engines").mkdir(parents=True)
+        (tmp_path / checkout / "engines" / "mine.py").write_text(engine)
+    (tmp_path / "elsewhere.py").write_text(engine)
+
+    def identity_from(folder: str, target: str) -> str:
+        monkeypatch.chdir(tmp_path / folder)
+        return artefacts.machine_identity(machine_for(target, role="full", faults="none"))
+
+    runner = identity_from("ci-runner", "engines/mine.py:Engine")
+    assert runner == identity_from("laptop", "engines/mine.py:Engine")
+    assert runner.startswith("engines/mine.py:Engine")
+    (tmp_path / "laptop" / "engines" / "other.py").write_text(engine)
+    assert identity_from("laptop", "engines/other.py:Engine") != runner, "another file is another engine"
+    outside = identity_from("laptop", f"{tmp_path / 'elsewhere.py'}:Engine")
+    assert outside.startswith(f"{(tmp_path / 'elsewhere.py').resolve()}:Engine"), "outside the project: its absolute path"

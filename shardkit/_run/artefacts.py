@@ -34,14 +34,16 @@ __all__ = ["Artefacts", "machine_identity", "run_settings_for"]
 
 
 def machine_identity(machine: type[ShardMachine]) -> str:
-    """What makes two runs' failures comparable: the engine (a file target by its absolute
-    path), the machine and model classes, and the options that change what is generated.
-    Trace names and the example database's keys derive from it, so two engines never
-    share a file or replay each other's saved examples."""
+    """What makes two runs' failures comparable: the engine (a file target by its path
+    from the folder the run starts in, or its absolute path if it lies outside), the
+    machine and model classes, and the options that change what is generated. Trace names,
+    the example database's keys and a derandomized suite's seed derive from it, so two
+    engines never share a file or replay each other's saved examples, while two checkouts
+    of one project (a CI runner's and a laptop's) share them."""
     target = machine.target.name
     module_part, colon, attr = target.rpartition(":")
     if colon and module_part.endswith(".py"):
-        target = f"{Path(module_part).resolve()}:{attr}"
+        target = f"{_project_path(Path(module_part))}:{attr}"
     options = machine.build_options
     base = options.get("base", ShardMachine)
     model = options.get("model", ReferenceModel)
@@ -195,6 +197,16 @@ class Artefacts:
             isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
             machine=self.machine,
         )
+
+
+def _project_path(file: Path) -> str:
+    """``file`` relative to the folder the run starts in, as a POSIX path; its absolute path
+    when it lies outside that folder."""
+    resolved = file.resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
 
 
 def _regression_test_path(trace_path: Path) -> Path:
