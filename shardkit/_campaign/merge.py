@@ -12,7 +12,6 @@ the rounds that found it.
 from __future__ import annotations
 
 import json
-import shlex
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from shardkit._campaign.rounds import FoundFailure, RoundOutcome, WorkerFailed
 from shardkit._run.options import FuzzOptions
 from shardkit._run.report import coverage_table, report_document, session_lines
 from shardkit._run.result import FuzzResult
-from shardkit._run.trust import file_target_outside_project
 
 __all__ = ["CampaignResult", "FailureKey", "MergedFailure", "failure_key", "merge_failures"]
 
@@ -67,11 +65,10 @@ class MergedFailure:
         if any(outcome.interrupted for outcome in self.rounds):
             lines.append("  (a round was interrupted: its sequence is the best found so far, not minimised)")
         lines.append("reproduce:")
-        trace = self.first.entry.get("trace")
-        target = _target_of(self.first.rerun_command)
-        if trace is not None:
-            engine = f" --engine {shlex.quote(target)}" if target and file_target_outside_project(target) else ""
-            lines.append(f"  this failure:    shardkit replay {shlex.quote(str(trace))}{engine}")
+        # The round's own report already holds its replay line (``report.replay_command``).
+        replay = self.first.entry.get("replay_command")
+        if isinstance(replay, str):
+            lines.append(f"  this failure:    {replay}")
         lines.append(f"  its round:       {self.first.rerun_command}")
         return "\n".join(lines)
 
@@ -195,15 +192,6 @@ def _trace(outcome: RoundOutcome) -> str | None:
     assert outcome.failure is not None
     trace = outcome.failure.entry.get("trace")
     return str(trace) if trace is not None else None
-
-
-def _target_of(command: str) -> str | None:
-    """The engine target of a ``shardkit fuzz TARGET …`` command line."""
-    try:
-        words = shlex.split(command, comments=True)
-    except ValueError:
-        return None
-    return words[2] if len(words) > 2 and words[:2] == ["shardkit", "fuzz"] else None
 
 
 def _where(rounds: tuple[RoundOutcome, ...]) -> str:
