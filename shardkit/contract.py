@@ -117,6 +117,8 @@ def _check_type(owner: str, name: str, value: object, cls: type) -> None:
 
 def _int_tuple(owner: str, name: str, value: object) -> tuple[int, ...]:
     """Accept any sequence of ints and freeze it, so equality is by value."""
+    if type(value) is tuple and all(type(item) is int for item in value):
+        return value  # the common case, checked at C speed: the kit builds several requests a step
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise _fail(owner, name, "a tuple of ints", value)
     items = tuple(value)

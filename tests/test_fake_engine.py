@@ -32,6 +32,7 @@ from shardkit.contract import (
     TokenOutput,
 )
 from shardkit.engines import FakeShardEngine, FakeShardEngineConfig
+from shardkit.engines import fake as fake_module
 from shardkit.engines.fake import FakeEngineCrash
 
 HIDDEN, VOCAB, LAYERS, ARCHITECTURE = 8, 32, 4, "shardkit-fake"
@@ -927,10 +928,14 @@ def test_outputs_do_not_depend_on_session_id_epoch_earlier_epochs_other_sessions
     assert run_pipeline([head, tail], chunks, session=session, epoch=epoch + 1) == expected
 
 
+class _NothingKept(fake_module._PassMemo):
+    MAX_BYTES = 0  # every pass computed afresh
+
+
 def test_the_row_memo_changes_no_output_and_stays_within_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows are memoised across fakes (the engine under test and its twins hash the same
-    histories): the answers are those computed afresh, and a large hidden size cannot make
-    the memo outgrow its bound."""
+    """Rows and layer passes are memoised across fakes (the engine under test and its twins
+    hash the same histories): the answers are those computed afresh, and a large hidden size
+    cannot make the memos outgrow their bounds."""
     from shardkit.engines import fake
 
     def answers(config: FakeShardEngineConfig) -> list[object]:
@@ -945,14 +950,26 @@ def test_the_row_memo_changes_no_output_and_stays_within_its_bytes(monkeypatch: 
     config = FakeShardEngineConfig(hidden_size=512)
     with monkeypatch.context() as unmemoised:
         unmemoised.setattr(fake, "_unit_float_bytes", fake._hashed_row)
+        unmemoised.setattr(fake, "_PASS_MEMO", _NothingKept())
         computed = answers(config)
     monkeypatch.setattr(fake, "_ROW_MEMO", fake._RowMemo())
+    monkeypatch.setattr(fake, "_PASS_MEMO", fake._PassMemo())
     first = answers(config)
-    remembered = answers(config)  # every row from the memo
-    monkeypatch.setattr(fake._RowMemo, "MAX_BYTES", 4096)  # about two rows of 2 KiB
+    remembered = answers(config)  # every pass and row from the memos
+    assert fake._PASS_MEMO._rows, "the passes were kept"
+    monkeypatch.setattr(fake._BoundedMemo, "MAX_BYTES", 4096)  # about two rows of 2 KiB
     monkeypatch.setattr(fake, "_ROW_MEMO", fake._RowMemo())
+    monkeypatch.setattr(fake, "_PASS_MEMO", fake._PassMemo())
     bounded = answers(config)
     assert computed == first == remembered == bounded
-    memo = fake._ROW_MEMO
-    assert 0 < memo._bytes <= 4096
-    assert memo._bytes == sum(len(key) + len(row) for key, row in memo._rows.items())
+    for memo, size in ((fake._ROW_MEMO, len), (fake._PASS_MEMO, lambda kept: sum(map(len, kept[0])) + len(kept[1]))):
+        assert 0 < memo._bytes <= 4096
+        assert memo._bytes == sum(len(key) + size(value) for key, value in memo._rows.items())
+
+
+@given(material=st.binary(max_size=64), count=st.integers(0, 300))
+@settings(deadline=None)
+def test_a_hashed_row_is_its_numpy_definition_bit_for_bit(material: bytes, count: int) -> None:
+    """The fake hashes rows with the array module (faster for a handful of values); its
+    definition is the numpy expression of ``_unit_floats``."""
+    assert fake_module._hashed_row(material, count) == fake_module._unit_floats(material, count).tobytes()

@@ -4,14 +4,27 @@ and epochs that shrink to 0."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from shardkit import FakeShardEngine, machine_for
+from shardkit._core.steps import synthetic_bundle, synthetic_rows
 from shardkit._machine.state_machine import SESSION_IDS, ShardMachine
 from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
 from shardkit._run.runner import fuzz
-from shardkit.contract import DecodeRequest, PrefillRequest, StatusCode, StepResult
+from shardkit.contract import (
+    RESIDUAL_TENSOR,
+    DecodeRequest,
+    EngineTensor,
+    LoadRequest,
+    PrefillRequest,
+    StatusCode,
+    StepResult,
+)
 from shardkit.engines.fake import FakeShardEngineConfig
 from tests.planted import PlantedEngine
 
@@ -201,3 +214,21 @@ def test_at_least_a_tenth_of_the_fakes_examples_reach_a_session_of_32_decodes() 
     assert share >= 0.10, session_histogram(result)
     assert sum(session_histogram(result).values()) == result.examples
     assert LONG_SESSION_DECODES == 32
+
+
+@given(
+    hidden_size=st.integers(1, 300),
+    dtype=st.sampled_from(["float32", "float16", "float64"]),
+    tokens=st.lists(st.integers(0, 100_000), min_size=1, max_size=70).map(tuple),
+)
+@settings(deadline=None, max_examples=300)
+def test_a_synthetic_bundle_holds_synthetic_rows_bit_for_bit(
+    hidden_size: int, dtype: str, tokens: tuple[int, ...]
+) -> None:
+    """A middle or tail is sent each token's row from a cache of rows; the rows are those of
+    ``synthetic_rows``, computed for the whole chunk at once, bit for bit."""
+    engine = FakeShardEngine()
+    engine.load(LoadRequest("m", 1, 3, 4))
+    caps = dataclasses.replace(engine.capabilities(), hidden_size=hidden_size, dtype=dtype)
+    bundle = synthetic_bundle(caps, "s", 0, 0, tokens)
+    assert bundle.tensors == (EngineTensor.from_array(RESIDUAL_TENSOR, synthetic_rows(caps, tokens)),)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 from shardkit._core.checks import HistoryMemo, Payload, metrics_text
-from shardkit._core.fault_steps import FaultSteps, usable_faults
+from shardkit._core.fault_steps import FaultSteps, fault_injectable, usable_faults
 from shardkit._core.faults import FaultInjectingEngine
 from shardkit._core.model import Prediction, ReferenceModel
 from shardkit._core.outcomes import (
@@ -156,7 +156,7 @@ class Driver(FaultSteps):
         self.native_faults, self.boundary_faults = usable_faults(caps, raw, self.wanted_faults)
         self.raw_engine: ShardEngine = raw
         self.engine: ShardEngine = FaultInjectingEngine(raw, self.sleep) if self.boundary_faults else raw
-        self._fault_target: FaultInjectable | None = raw if isinstance(raw, FaultInjectable) else None
+        self._fault_target: FaultInjectable | None = fault_injectable(raw)
         self.caps = caps
         self.model = self.model_factory()
         self.model.load(caps)

@@ -9,6 +9,7 @@ knows every history, and a trace never needs to store tensor bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -154,23 +155,37 @@ def _same_input(action: Action, last: StepRequest) -> bool:
 def synthetic_rows(caps: EngineCapabilities, tokens: tuple[int, ...]) -> np.ndarray[Any, Any]:
     """Rows a head could have produced for ``tokens``: finite, one per token, a
     function of the token id alone, in the engine's dtype and hidden size."""
-    columns = np.arange(1, caps.hidden_size + 1, dtype=np.float64)
+    return _synthetic_rows(caps.hidden_size, caps.dtype, tokens)
+
+
+def _synthetic_rows(hidden_size: int, dtype: str, tokens: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    columns = np.arange(1, hidden_size + 1, dtype=np.float64)
     # All rows in one call (a long chunk cost one numpy call per token); the same values.
     scales = 0.618 + 0.137 * np.asarray(tokens, dtype=np.float64)
-    return np.sin(np.multiply.outer(scales, columns)).astype(caps.dtype).reshape(len(tokens), caps.hidden_size)
+    return np.sin(np.multiply.outer(scales, columns)).astype(dtype).reshape(len(tokens), hidden_size)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _synthetic_row(hidden_size: int, dtype: str, token: int) -> bytes:
+    """One token's row of ``synthetic_rows``, as ``EngineTensor`` data: the kit sends the same
+    tokens' rows many times (to the engine under test and each twin, one history growing by
+    a token a step), and a row is a function of the token alone."""
+    return EngineTensor.from_array(RESIDUAL_TENSOR, _synthetic_rows(hidden_size, dtype, (token,))).data
 
 
 def synthetic_bundle(
     caps: EngineCapabilities, session: str, epoch: int, step: int, tokens: tuple[int, ...]
 ) -> BoundaryBundle:
     """The post-head bundle the kit sends a middle or tail for ``tokens`` (rows from ``synthetic_rows``)."""
+    rows = b"".join(_synthetic_row(caps.hidden_size, caps.dtype, token) for token in tokens)
+    tensor = EngineTensor(RESIDUAL_TENSOR, np.dtype(caps.dtype).name, (len(tokens), caps.hidden_size), rows)
     return BoundaryBundle(
         session_id=session,
         epoch=epoch,
         step=step,
         boundary_point=OUTPUT_BOUNDARY_POINT["head"],
         architecture=caps.architecture,
-        tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, synthetic_rows(caps, tokens)),),
+        tensors=(tensor,),
         token_id_sideband=tokens,
     )
 
@@ -298,32 +313,42 @@ def _token_swap(value: Callable[[EngineCapabilities], int]) -> Malformation:
     return apply
 
 
-COMMON_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
-    "empty_session_id": lambda request, caps: _with_ids(request, session_id=""),
-    "epoch_out_of_range": lambda request, caps: _with_ids(request, epoch=EPOCH_STEP_LIMIT),
-    "negative_step": lambda request, caps: _with_ids(request, step=-1),
-    "empty_input": _empty_input,
-    "two_token_decode": _two_token_decode,
-    "wrong_input_kind": _wrong_input_kind,
-})
-TOKEN_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
-    "token_out_of_vocab": _token_swap(lambda caps: caps.vocab_size),
-    "negative_token": _token_swap(lambda caps: -1),
-})
-BUNDLE_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({
-    "non_finite_value": _non_finite,
-    "wrong_architecture": _bundle_change(architecture=lambda request, caps: caps.architecture + "-other"),
-    "wrong_hidden_size": _tensor_from(lambda rows, caps: np.pad(rows, ((0, 0), (0, 1)))),
-    "wrong_dtype": _wrong_dtype,
-    "truncated_data": _truncated,
-    "two_tensors": _extra_tensor,
-    "wrong_tensor_name": _tensor_from(lambda rows, caps: rows, name="hidden"),
-    "rank_3_tensor": _tensor_from(lambda rows, caps: rows[None, :, :]),
-    "non_upstream_boundary": _non_upstream,
-    "sideband_length": _bundle_change(token_id_sideband=lambda request, caps: (*request.bundle.token_id_sideband, 0)),
-    "echo_mismatch": _bundle_change(step=lambda request, caps: request.step + 1),
-})
-_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType({**COMMON_MALFORMATIONS, **TOKEN_MALFORMATIONS, **BUNDLE_MALFORMATIONS})
+COMMON_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType(
+    {
+        "empty_session_id": lambda request, caps: _with_ids(request, session_id=""),
+        "epoch_out_of_range": lambda request, caps: _with_ids(request, epoch=EPOCH_STEP_LIMIT),
+        "negative_step": lambda request, caps: _with_ids(request, step=-1),
+        "empty_input": _empty_input,
+        "two_token_decode": _two_token_decode,
+        "wrong_input_kind": _wrong_input_kind,
+    }
+)
+TOKEN_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType(
+    {
+        "token_out_of_vocab": _token_swap(lambda caps: caps.vocab_size),
+        "negative_token": _token_swap(lambda caps: -1),
+    }
+)
+BUNDLE_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType(
+    {
+        "non_finite_value": _non_finite,
+        "wrong_architecture": _bundle_change(architecture=lambda request, caps: caps.architecture + "-other"),
+        "wrong_hidden_size": _tensor_from(lambda rows, caps: np.pad(rows, ((0, 0), (0, 1)))),
+        "wrong_dtype": _wrong_dtype,
+        "truncated_data": _truncated,
+        "two_tensors": _extra_tensor,
+        "wrong_tensor_name": _tensor_from(lambda rows, caps: rows, name="hidden"),
+        "rank_3_tensor": _tensor_from(lambda rows, caps: rows[None, :, :]),
+        "non_upstream_boundary": _non_upstream,
+        "sideband_length": _bundle_change(
+            token_id_sideband=lambda request, caps: (*request.bundle.token_id_sideband, 0)
+        ),
+        "echo_mismatch": _bundle_change(step=lambda request, caps: request.step + 1),
+    }
+)
+_MALFORMATIONS: Mapping[str, Malformation] = MappingProxyType(
+    {**COMMON_MALFORMATIONS, **TOKEN_MALFORMATIONS, **BUNDLE_MALFORMATIONS}
+)
 
 
 def known_malformations() -> frozenset[str]:

@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from functools import partial
+from typing import ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,7 @@ __all__ = ["FakeEngineCrash", "FakeShardEngine", "FakeShardEngineConfig"]
 _FLOAT32 = np.dtype("<f4")
 _BIG_ENDIAN = sys.byteorder == "big"
 _TWO_TO_MINUS_15 = 2.0**-15
+_Value = TypeVar("_Value")
 
 
 class FakeEngineCrash(RuntimeError):
@@ -94,37 +96,55 @@ def _unit_floats(material: bytes, count: int) -> npt.NDArray[np.float32]:
     return (words.astype(np.float32) / np.float32(32768) - np.float32(1)).astype(_FLOAT32)
 
 
-class _RowMemo:
-    """The rows last computed, by the bytes they were hashed from, up to ``MAX_BYTES`` of rows.
+class _BoundedMemo(Generic[_Value]):
+    """Values by the bytes they are a function of, up to ``MAX_BYTES`` (keys and values), oldest
+    out first, so a large ``hidden_size`` cannot make it grow without limit.
 
-    A row is a function of its material alone, so a memo changes no output. It is shared by
-    every fake in the process because the kit runs several on one history: the engine under
-    test, the twin that recomputes each history in one prefill (all but the history's last
-    token were computed for the previous one), the twins that follow the session. Bounded in
-    bytes, oldest out first, so a large ``hidden_size`` cannot make it grow without limit."""
+    It is shared by every fake in the process because the kit runs several on one history:
+    the engine under test, the twin that recomputes each history in one prefill (all but the
+    history's last token were computed for the previous one), the twins that follow the
+    session. A value is a function of its key alone, so a memo changes no output."""
 
     MAX_BYTES: ClassVar[int] = 8 << 20
 
     def __init__(self) -> None:
-        self._rows: dict[bytes, bytes] = {}
+        self._rows: dict[bytes, _Value] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def row(self, material: bytes, count: int) -> bytes:
-        key = material + count.to_bytes(8, "little")
+    def _recall(self, key: bytes, compute: Callable[[], _Value], size: Callable[[_Value], int]) -> _Value:
         found = self._rows.get(key)
         if found is not None:
             return found
-        computed = _hashed_row(material, count)
-        size = len(key) + len(computed)
+        computed = compute()
+        cost = len(key) + size(computed)
         with self._lock:
-            if key not in self._rows and size <= self.MAX_BYTES:
-                while self._bytes + size > self.MAX_BYTES:
+            if key not in self._rows and cost <= self.MAX_BYTES:
+                while self._bytes + cost > self.MAX_BYTES:
                     oldest = next(iter(self._rows))  # dicts keep insertion order
-                    self._bytes -= len(oldest) + len(self._rows.pop(oldest))
+                    self._bytes -= len(oldest) + size(self._rows.pop(oldest))
                 self._rows[key] = computed
-                self._bytes += size
+                self._bytes += cost
         return computed
+
+
+class _RowMemo(_BoundedMemo[bytes]):
+    """Rows by the bytes they were hashed from."""
+
+    def row(self, material: bytes, count: int) -> bytes:
+        return self._recall(material + count.to_bytes(8, "little"), lambda: _hashed_row(material, count), len)
+
+
+class _PassMemo(_BoundedMemo[tuple[tuple[bytes, ...], bytes]]):
+    """One row's pass through a shard's layers: the chains after it and the row it leaves
+    with, by the shard, the chains before it and the row. A recompute of a history pushes
+    every row but the last through the same chains as the recompute before it did: from
+    here each costs one lookup instead of a hash per layer."""
+
+    def passed(
+        self, key: bytes, compute: Callable[[], tuple[tuple[bytes, ...], bytes]]
+    ) -> tuple[tuple[bytes, ...], bytes]:
+        return self._recall(key, compute, lambda value: sum(map(len, value[0])) + len(value[1]))
 
 
 def _unit_float_bytes(material: bytes, count: int) -> bytes:
@@ -146,6 +166,7 @@ def _hashed_row(material: bytes, count: int) -> bytes:
 
 
 _ROW_MEMO = _RowMemo()
+_PASS_MEMO = _PassMemo()
 
 
 @dataclass(frozen=True)
@@ -162,16 +183,27 @@ class _HashLayers:
     def embed(self, token_id: int, hidden_size: int) -> bytes:
         return _unit_float_bytes(self.seed + b"embed" + _u64(token_id), hidden_size)
 
-    def run_layers(self, chains: list[bytes], rows: list[bytes], hidden_size: int) -> list[bytes]:
-        """Push ``rows`` through the shard's layers in order, advancing ``chains`` in place."""
-        tags = [(_u64(layer), b"layer" + _u64(layer)) for layer in self.layers]
+    def run_layers(self, chains: list[bytes], inputs: list[int] | list[bytes], hidden_size: int) -> list[bytes]:
+        """Push ``inputs`` (token ids, embedded here, or residual rows) through the shard's
+        layers in order, advancing ``chains`` in place."""
+        shard = _u64(self.layers.start) + _u64(self.layers.stop) + _u64(hidden_size)
         outputs = []
-        for row in rows:
-            for index, (layer, tag) in enumerate(tags):
-                chains[index] = hashlib.sha256(chains[index] + layer + row).digest()
-                row = _unit_float_bytes(tag + chains[index], hidden_size)
-            outputs.append(row)
+        for item in inputs:
+            # A token is keyed by its id (8 bytes), a row by its bytes (4 per value): the tag tells them apart.
+            key = shard + b"".join(chains) + (b"token" + _u64(item) if isinstance(item, int) else b"row" + item)
+            passed, output = _PASS_MEMO.passed(key, partial(self._pass, tuple(chains), item, hidden_size))
+            chains[:] = passed
+            outputs.append(output)
         return outputs
+
+    def _pass(self, chains: tuple[bytes, ...], item: int | bytes, hidden_size: int) -> tuple[tuple[bytes, ...], bytes]:
+        row = self.embed(item, hidden_size) if isinstance(item, int) else item
+        advanced = []
+        for layer, chain in zip(self.layers, chains, strict=True):
+            digest = hashlib.sha256(chain + _u64(layer) + row).digest()
+            advanced.append(digest)
+            row = _unit_float_bytes(b"layer" + _u64(layer) + digest, hidden_size)
+        return tuple(advanced), row
 
 
 class FakeShardEngine(SessionEngine[list[bytes]]):
@@ -214,14 +246,17 @@ class FakeShardEngine(SessionEngine[list[bytes]]):
     def forward(self, cache: list[bytes], step: StepInput) -> tuple[list[bytes], Produced]:
         numerics, hidden = self._hash, self._config.hidden_size
         assert numerics is not None
+        inputs: list[int] | list[bytes]
         if step.token_ids is not None:
-            rows = [numerics.embed(token, hidden) for token in step.token_ids]
+            inputs = list(step.token_ids)
         else:
             assert step.residual is not None
             data, width = step.residual.data, hidden * _FLOAT32.itemsize
-            rows = [data[offset : offset + width] for offset in range(0, len(data), width)]
+            inputs = [data[offset : offset + width] for offset in range(0, len(data), width)]
         chains = list(cache)  # the session's own chains stay as they were
-        final_rows = numerics.run_layers(chains, rows, hidden)
+        final_rows = numerics.run_layers(chains, inputs, hidden)
         if numerics.role in ("tail", "full"):
-            return chains, _unit_floats(b"lm_head" + final_rows[-1], self._config.vocab_size)
+            # Read-only: the memo's bytes are shared by every call that asks for the same logits.
+            logits = _unit_float_bytes(b"lm_head" + final_rows[-1], self._config.vocab_size)
+            return chains, np.frombuffer(logits, dtype=_FLOAT32)
         return chains, b"".join(final_rows)
