@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ import pytest
 
 from shardkit import __version__
 from shardkit._cli import bench
+from shardkit._cli.commands import bench_settings
 from shardkit._cli.main import main
+from shardkit._cli.parser import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
@@ -403,11 +406,11 @@ def test_fuzz_prints_nothing_on_stderr_without_a_terminal(capsys: pytest.Capture
 
 @pytest.fixture(scope="module")
 def bench_json_without_planted() -> str:
-    """What ``shardkit bench --json`` prints at 5 examples × 5 steps with ``--planted none``:
-    every other section measured, once for the tests that read it."""
+    """What ``shardkit bench --quick --json --planted none`` prints: every other section
+    measured, at ``--quick``'s sizes, once for the tests that read it."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["bench", "--json", "--examples", "5", "--steps", "5", "--planted", "none"]) == 0
+        assert main(["bench", "--quick", "--json", "--planted", "none"]) == 0
     return printed.getvalue()
 
 
@@ -419,8 +422,26 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_wit
     assert set(figures["per_role"]) == {"full", "head", "middle", "tail"}
     for row in figures["per_role"].values():
         assert row["kit_steps_per_s"] > 0
-        assert row["throughput_ratio"] == pytest.approx(row["kit_steps_per_s"] / row["bare_steps_per_s"], rel=0.01)
+        # Kit and bare interleaved, one ratio a round; the figure is the median round's.
+        assert len(row["rounds"]) == bench.QUICK.rounds == 2
+        for one in row["rounds"]:
+            assert one["ratio"] == pytest.approx(one["kit_steps_per_s"] / one["bare_steps_per_s"], rel=0.01)
+        ratios = sorted(one["ratio"] for one in row["rounds"])
+        assert row["throughput_ratio"] == pytest.approx(statistics.median(ratios), abs=0.001)
+        assert (row["throughput_ratio_min"], row["throughput_ratio_max"]) == (ratios[0], ratios[-1])
+        assert row["cpu_ratio"] > 0
     assert figures["planted"].startswith("skipped")
+    # Every other section was measured, each timed.
+    assert set(figures["section_seconds"]) == set(bench.SECTIONS)
+    for row in figures["out_of_process"].values():
+        assert len(row["steps_per_s_by_round"]) == 2
+    assert (
+        figures["out_of_process"]["grpc, faults all"]["slower_min"]
+        <= figures["out_of_process"]["grpc, faults all"]["slower"]
+    )
+    memory = figures["memory"]
+    assert set(memory) >= {"10", "50"}, memory
+    assert memory["steps"] == 10
 
 
 def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_planted: str) -> None:
@@ -428,21 +449,54 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_p
     each measured section comes out as its table, none as "not measured" (the planted table's
     own test, below, measures the planted section alone)."""
     table = bench.render(json.loads(bench_json_without_planted))
-    assert "throughput, 5 examples × 5 steps, seed 1 (fake engine, faults on):" in table
+    assert (
+        "throughput, 10 examples × 10 steps, seed 1 (fake engine, faults on; kit and bare interleaved, medians of 2 rounds):"
+        in table
+    )
     for role in ("full", "head", "middle", "tail"):
-        assert re.search(rf"^  {role} +[\d,]+ +[\d,]+ +\d+\.\d\d +\d+%$", table, re.MULTILINE), table
+        assert re.search(
+            rf"^  {role} +[\d,]+ +[\d,]+ +\d+\.\d\d +\d+\.\d\d-\d+\.\d\d +\d+\.\d\d +\d+%$", table, re.MULTILINE
+        ), table
     assert "engines (full role, faults on):" in table
     for engine in ("fake", "numpy"):
         assert re.search(rf"^  {engine} +[\d,]+ kit steps/s, one decode step ", table, re.MULTILINE), table
-    assert "out of process (fake, same seed: the same steps):" in table
+    assert "out of process (fake, same seed: the same steps; modes interleaved, medians of 2 rounds):" in table
     assert re.search(
-        r"^  isolated, faults all +[\d,]+ steps/s  x\d+\.\d slower  \(\d+ steps, \d+ worker", table, re.MULTILINE
+        r"^  isolated, faults all +[\d,]+ steps/s  x\d+\.\d slower \(x\d+\.\d-x\d+\.\d\)  \(\d+ steps, \d+ worker",
+        table,
+        re.MULTILINE,
     ), table
     assert "planted bugs: skipped (--planted none)" in table
     assert "concurrency (fake, faults on): steps/s by lanes: " in table
-    assert "memory: not measured (shardkit bench --memory)" in table
-    assert re.search(r"^peak RSS [\d.]+ MB; bench took [\d.]+ s$", table, re.MULTILINE), table
+    assert re.search(
+        r"^memory \(fake, 10 steps an example, a fresh process each\): peak RSS [\d.]+ MB at 10 examples, [\d.]+ MB at 50 examples; ratio [\d.]+$",
+        table,
+        re.MULTILINE,
+    ), table
+    assert re.search(
+        r"^peak RSS [\d.]+ MB; bench took [\d.]+ s \(throughput [\d.]+ s, engines ", table, re.MULTILINE
+    ), table
     assert bench.NOT_MEASURED not in table
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ([], {"examples": 200, "steps": 50, "rounds": 3, "planted_seeds": 5, "memory_examples": (200, 1000)}),
+        (["--quick"], {"examples": 10, "steps": 10, "rounds": 2, "planted_seeds": 1, "memory_examples": (10, 50)}),
+        (
+            ["--quick", "--examples", "30", "--rounds", "5"],
+            {"examples": 30, "steps": 10, "rounds": 5, "memory_examples": (30, 150)},
+        ),
+        (["--quick", "--memory"], {"examples": 10, "memory_examples": (300, 3000), "memory_steps": 100}),
+    ],
+)
+def test_bench_quick_picks_small_sizes_and_a_size_given_beside_it_still_applies(
+    options: list[str], expected: dict[str, object]
+) -> None:
+    """``--quick`` never silently overrides what the command line says."""
+    settings = bench_settings(build_parser().parse_args(["bench", *options]), "shardkit._planted")
+    assert {name: getattr(settings, name) for name in expected} == expected
 
 
 @pytest.fixture

@@ -190,12 +190,13 @@ def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
 def test_the_bench_measures_peak_memory_at_two_sizes_in_fresh_processes() -> None:
     from shardkit._cli.bench import BenchSettings, _memory
 
-    figures = _memory(BenchSettings(seed=1, memory_examples=(10, 30)))
+    figures = _memory(BenchSettings(seed=1, memory_examples=(10, 30), memory_steps=20))
     assert isinstance(figures, dict), figures
     assert figures["10"]["peak_rss_mb"] > 10
     assert figures["30"]["peak_rss_mb"] > 10
+    assert figures["steps"] == 20
     assert figures["ratio_largest_to_smallest"] == round(figures["30"]["peak_rss_mb"] / figures["10"]["peak_rss_mb"], 2)
-    assert _memory(BenchSettings()) == "not measured (shardkit bench --memory)"
+    assert _memory(BenchSettings(memory_examples=(10,))) == "not measured: two sizes are needed to compare, got [10]"
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
@@ -221,7 +222,9 @@ def test_step_notes_describe_each_step_as_it_runs_not_as_it_was_drawn() -> None:
     from shardkit._core.steps import Action, step_action
     from shardkit._transport.resolve import resolve_target
 
-    driver = Driver(resolve_target(FakeShardEngine), LoadRequest("m", 0, 3, 4), faults=frozenset({"delay"}), twins=False)
+    driver = Driver(
+        resolve_target(FakeShardEngine), LoadRequest("m", 0, 3, 4), faults=frozenset({"delay"}), twins=False
+    )
 
     def note(action: Action) -> str:
         return driver.execute(action).action.note
@@ -286,4 +289,6 @@ def test_two_checkouts_of_one_project_share_an_identity_and_another_file_does_no
     (tmp_path / "laptop" / "engines" / "other.py").write_text(engine)
     assert identity_from("laptop", "engines/other.py:Engine") != runner, "another file is another engine"
     outside = identity_from("laptop", f"{tmp_path / 'elsewhere.py'}:Engine")
-    assert outside.startswith(f"{(tmp_path / 'elsewhere.py').resolve()}:Engine"), "outside the project: its absolute path"
+    assert outside.startswith(f"{(tmp_path / 'elsewhere.py').resolve()}:Engine"), (
+        "outside the project: its absolute path"
+    )

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._planted.racy import RACY
 from shardkit._run.replay import replay
 from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, session_histogram
+from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
@@ -69,16 +71,79 @@ class BenchSettings:
     seed: int = 1
     #: The planted-bug engines ship with the package (private), so bench runs from an installed wheel.
     planted_module: str | None = BUNDLED_PLANTED
-    #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process
-    #: (``--memory``); empty: not measured (a 3 000-example run takes minutes).
-    memory_examples: tuple[int, ...] = ()
+    #: Example counts at which to measure a fuzz run's peak RSS, each in a fresh process of
+    #: ``memory_steps`` steps an example (``--memory``: 300 and 3,000 of 100 steps, minutes).
+    memory_examples: tuple[int, ...] = (DEFAULT_EXAMPLES, 5 * DEFAULT_EXAMPLES)
+    memory_steps: int = DEFAULT_STEPS
     #: How many seeds each planted engine is fuzzed at (``seed``, ``seed + 1``, …): a bug found
     #: at one chosen seed says little about the next run.
     planted_seeds: int = BENCH_PLANTED_SEEDS
+    #: Rounds of the throughput and out-of-process sections: each round runs every side of a
+    #: comparison once, in an order that turns each round, and the figure is the median round's.
+    rounds: int = 3
+    #: Replays of each racy engine's trace (a race reproduces on some runs only).
+    racy_replays: int = RACY_REPLAY_RUNS
+    #: At most this many planted engines of the module, and of the racy ones (None: all of them).
+    planted_engines: int | None = None
     #: Rounds of the scale-out section, each one ``pytest -n 0`` and one ``pytest -n N`` run.
     scale_out_rounds: int = 3
+    #: How many of ``SCALE_OUT_SUITES`` the scale-out section runs, the first ones (None: all).
+    scale_out_suites: int | None = None
     #: The N of ``pytest -n N`` that the scale-out section sets against one process.
     scale_out_workers: int = 2
+
+
+#: ``shardkit bench --quick``: every section at sizes that run in well under a minute, to check
+#: in CI that the bench runs. Its figures say nothing about speed.
+QUICK = BenchSettings(
+    examples=10,
+    steps=10,
+    planted_seeds=1,
+    rounds=2,
+    racy_replays=2,
+    planted_engines=3,
+    memory_examples=(10, 50),
+    memory_steps=10,
+    scale_out_rounds=1,
+    scale_out_suites=4,
+)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """One run of a comparison: the steps it took, its wall time and its CPU time."""
+
+    steps: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.wall_s
+
+
+def _timed(run: Callable[[], int]) -> _Timed:
+    wall, cpu = time.perf_counter(), time.process_time()
+    steps = run()
+    return _Timed(steps, time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def _interleaved(runs: dict[str, Callable[[], int]], rounds: int) -> dict[str, list[_Timed]]:
+    """Every one of ``runs`` once a round, the order turned by one each round (A B C, B C A,
+    C A B, …): a machine that grows busier or quieter during the bench shifts every side of a
+    comparison alike, and no side always runs first. Each run returns its steps."""
+    names = list(runs)
+    timed: dict[str, list[_Timed]] = {name: [] for name in names}
+    for round_number in range(rounds):
+        turn = round_number % len(names)
+        for name in names[turn:] + names[:turn]:
+            timed[name].append(_timed(runs[name]))
+    return timed
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """The median of ``values``, with the lowest and highest: how far one round may be from it."""
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine]:
@@ -101,7 +166,8 @@ def bare_machine_like(machine: type[ShardMachine]) -> type[RuleBasedStateMachine
     return type(f"Bare{machine.__name__}", (RuleBasedStateMachine,), namespace)
 
 
-def bare_steps_per_second(machine: type[ShardMachine], examples: int, steps: int, seed: int) -> float:
+def bare_steps(machine: type[ShardMachine], examples: int, steps: int, seed: int) -> int:
+    """Run the bare machine of ``machine`` (``bare_machine_like``) and return the steps it took."""
     bare = bare_machine_like(machine)
     run_settings = settings(
         max_examples=examples,
@@ -110,29 +176,56 @@ def bare_steps_per_second(machine: type[ShardMachine], examples: int, steps: int
         database=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    started = time.perf_counter()
     run_state_machine_as_test(hypothesis_seed(seed)(bare), settings=run_settings)
     counted: int = bare.steps  # type: ignore[attr-defined]
-    return counted / (time.perf_counter() - started)
+    return counted
+
+
+def bare_steps_per_second(machine: type[ShardMachine], examples: int, steps: int, seed: int) -> float:
+    timed = _timed(lambda: bare_steps(machine, examples, steps, seed))
+    return timed.rate
 
 
 def _throughput(config: BenchSettings) -> dict[str, Any]:
-    rows: dict[str, Any] = {}
-    for role in ROLES:
-        kit = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
-        bare = bare_steps_per_second(
-            build_machine(FakeShardEngine, role=role), config.examples, config.steps, config.seed
-        )
-        kit_rate = kit.steps / kit.elapsed_s
-        rows[role] = {
-            "kit_steps_per_s": round(kit_rate, 1),
-            "bare_steps_per_s": round(bare, 1),
-            "throughput_ratio": round(kit_rate / bare, 3),
-            # How long the sessions got: throughput bought with short sessions only is no gain.
-            "long_session_share": round(long_session_share(kit), 4),
-            "longest_session_histogram": session_histogram(kit),
+    """Each role: the kit and the bare machine interleaved over ``config.rounds`` rounds; the
+    ratio of each round, its median and spread, by wall time and by CPU time (a busy machine
+    takes wall time from both sides, but rarely alike; CPU time it takes far less)."""
+    return {role: _role_throughput(config, role) for role in ROLES}
+
+
+def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
+    runs: list[FuzzResult] = []
+
+    def kit() -> int:
+        runs.append(fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role))
+        return runs[-1].steps
+
+    machine = build_machine(FakeShardEngine, role=role)
+    timed = _interleaved(
+        {"kit": kit, "bare": lambda: bare_steps(machine, config.examples, config.steps, config.seed)}, config.rounds
+    )
+    rounds = [
+        {
+            "kit_steps_per_s": round(kit_run.rate, 1),
+            "bare_steps_per_s": round(bare_run.rate, 1),
+            "ratio": round(kit_run.rate / bare_run.rate, 3),
+            "cpu_ratio": round(bare_run.cpu_s / kit_run.cpu_s * kit_run.steps / bare_run.steps, 3),
         }
-    return rows
+        for kit_run, bare_run in zip(timed["kit"], timed["bare"], strict=True)
+    ]
+    ratio = _spread([one["ratio"] for one in rounds])
+    return {
+        "kit_steps_per_s": round(statistics.median(run.rate for run in timed["kit"]), 1),
+        "bare_steps_per_s": round(statistics.median(run.rate for run in timed["bare"]), 1),
+        "throughput_ratio": ratio["median"],
+        "throughput_ratio_min": ratio["min"],
+        "throughput_ratio_max": ratio["max"],
+        "cpu_ratio": _spread([one["cpu_ratio"] for one in rounds])["median"],
+        "rounds": rounds,
+        # How long the sessions got: throughput bought with short sessions only is no gain.
+        "long_session_share": round(long_session_share(runs[0]), 4),
+        "longest_session_histogram": session_histogram(runs[0]),
+    }
 
 
 #: Engines compared on kit throughput and on the cost of one decode step (full role).
@@ -184,33 +277,57 @@ def _engines(config: BenchSettings) -> dict[str, Any]:
     return rows
 
 
+#: The modes of the out-of-process section, the first the one the others are compared with.
+OUT_OF_PROCESS_MODES = ("in-process", "grpc", "isolated")
+
+
 def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
-    (``--isolate``): the same seed, so the same steps, at different costs."""
+    (``--isolate``): the same seed, so the same steps, at different costs. With faults and
+    without, the three modes interleaved over ``config.rounds`` rounds: each mode's median
+    steps/s and how much slower than in-process it was, round by round (median and spread)."""
     try:
-        from shardkit._transport.client import close_connection
-        from shardkit._transport.isolation import isolated_target
+        import shardkit._transport.client  # noqa: F401 - the grpc extra, needed by two of the modes
     except ImportError as error:
         return f"skipped: needs the grpc extra ({error})"
     rows: dict[str, Any] = {}
     for faults in ("all", "none"):
-        for mode in ("in-process", "grpc", "isolated"):
-            row: dict[str, Any] = {}
-            with contextlib.ExitStack() as stack:
-                target: Any = "shardkit:FakeShardEngine"
-                if mode == "grpc":
-                    target = stack.enter_context(_served_fake())
-                    stack.callback(close_connection, target)
-                elif mode == "isolated":
-                    target = isolated_target(target)
-                    stack.callback(target.isolation.close)
-                run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
-                row["steps_per_s"] = round(run.steps / run.elapsed_s, 1)
-                row["steps"] = run.steps
-                if mode == "isolated":
-                    row["workers_started"] = target.isolation.workers_started
+        workers: list[int] = []
+        run = partial(_fuzz_out_of_process, config, faults, workers)
+        timed = _interleaved({mode: partial(run, mode) for mode in OUT_OF_PROCESS_MODES}, config.rounds)
+        base = timed[OUT_OF_PROCESS_MODES[0]]
+        for mode, runs in timed.items():
+            row: dict[str, Any] = {
+                "steps_per_s": round(statistics.median(one.rate for one in runs), 1),
+                "steps": runs[0].steps,
+                "steps_per_s_by_round": [round(one.rate, 1) for one in runs],
+            }
+            if mode != OUT_OF_PROCESS_MODES[0]:
+                slowdown = _spread([alone.rate / one.rate for alone, one in zip(base, runs, strict=True)])
+                row |= {"slower": slowdown["median"], "slower_min": slowdown["min"], "slower_max": slowdown["max"]}
+            if mode == "isolated":
+                row["workers_started"] = round(statistics.median(workers))
             rows[f"{mode}, faults {faults}"] = row
     return rows
+
+
+def _fuzz_out_of_process(config: BenchSettings, faults: str, workers: list[int], mode: str) -> int:
+    """One run of the fake in ``mode``; an isolated run adds the workers it started to ``workers``."""
+    from shardkit._transport.client import close_connection
+    from shardkit._transport.isolation import isolated_target
+
+    with contextlib.ExitStack() as stack:
+        target: Any = "shardkit:FakeShardEngine"
+        if mode == "grpc":
+            target = stack.enter_context(_served_fake())
+            stack.callback(close_connection, target)
+        elif mode == "isolated":
+            target = isolated_target(target)
+            stack.callback(target.isolation.close)
+        result = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+        if mode == "isolated":
+            workers.append(target.isolation.workers_started)
+        return result.steps
 
 
 @contextlib.contextmanager
@@ -236,7 +353,7 @@ def _planted(config: BenchSettings) -> list[dict[str, Any]] | str:
     except ImportError as error:
         return f"skipped: cannot import {config.planted_module!r} ({error})"
     rows = []
-    for engine in module.PLANTED:
+    for engine in module.PLANTED[: config.planted_engines]:
         try:
             assert_shard_engine_contract(getattr(module, engine.__name__))
             caught_by_contract = False
@@ -298,15 +415,17 @@ def _concurrency(config: BenchSettings) -> dict[str, Any]:
     """Throughput of the fake with lanes of calls at once (faults on), and (with the bundled
     planted engines) how soon each racy planted engine is found with two lanes, how short
     its failure came out, how many lane steps the failing phase kept (against the race's
-    ``MINIMUM``) and in how many of ``RACY_REPLAY_RUNS`` replays its trace reproduced."""
+    ``MINIMUM``) and in how many of ``config.racy_replays`` replays its trace reproduced."""
     throughput = {}
     for lanes in range(1, MAX_CONCURRENCY + 1):
-        result = fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes)
+        result = fuzz(
+            FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes
+        )
         throughput[str(lanes)] = {"steps_per_s": round(result.steps / result.elapsed_s, 1), "steps": result.steps}
     racy: list[dict[str, Any]] = []
     # The racy engines are the bundled planted module's: another module (--planted) or
     # none leaves them out, as it leaves out the bundled sequential ones.
-    for engine in RACY if config.planted_module == BUNDLED_PLANTED else ():
+    for engine in RACY[: config.planted_engines] if config.planted_module == BUNDLED_PLANTED else ():
         runs = []
         for seed in _planted_seeds(config):
             started = time.perf_counter()
@@ -321,11 +440,15 @@ def _concurrency(config: BenchSettings) -> dict[str, Any]:
                     out=folder,
                 )
                 seconds = round(time.perf_counter() - started, 1)
-                replayed = replay(result.trace_path, runs=RACY_REPLAY_RUNS) if result.trace_path is not None else None
+                replayed = (
+                    replay(result.trace_path, runs=config.racy_replays) if result.trace_path is not None else None
+                )
             failure = result.failure
             first_examples, first_seconds, _ = result.first_failure or (None, None, None)
             last = failure.records[-1].action if failure is not None else None
-            lane_steps = sum(len(lane) for lane in last.args["lanes"]) if last is not None and last.op == PARALLEL_OP else None
+            lane_steps = (
+                sum(len(lane) for lane in last.args["lanes"]) if last is not None and last.op == PARALLEL_OP else None
+            )
             shrunk = _length(failure)
             runs.append(
                 {
@@ -343,7 +466,7 @@ def _concurrency(config: BenchSettings) -> dict[str, Any]:
                 }
             )
         racy.append({"engine": engine.__name__, "race": engine.RACE, "runs": runs})
-    return {"steps_per_s_by_lanes": throughput, "racy": racy}
+    return {"steps_per_s_by_lanes": throughput, "racy": racy, "racy_replays": config.racy_replays}
 
 
 def _length(failure: FailureReport | None) -> int | None:
@@ -366,18 +489,18 @@ with open("/proc/self/status") as status:
 
 
 def _memory(config: BenchSettings) -> dict[str, Any] | str:
-    """Peak RSS of ``shardkit fuzz`` on the fake (100 steps an example, the nightly length) at
-    each size, each in a process of its own: the kit runs long campaigns as a series of
-    bounded Hypothesis runs, so the peak must not grow with the number of examples."""
-    if not config.memory_examples:
-        return "not measured (shardkit bench --memory)"
+    """Peak RSS of ``shardkit fuzz`` on the fake at each of ``config.memory_examples`` (of
+    ``config.memory_steps`` steps), each in a process of its own: the kit runs long campaigns
+    as a series of bounded Hypothesis runs, so the peak must not grow with the examples."""
+    if len(config.memory_examples) < 2:
+        return f"not measured: two sizes are needed to compare, got {list(config.memory_examples)}"
     if not Path("/proc/self/status").exists():
         return "not measured: needs /proc (Linux)"
     peaks: dict[str, Any] = {}
     for examples in config.memory_examples:
         started = time.perf_counter()
         finished = subprocess.run(
-            [sys.executable, "-c", _MEMORY_PROBE, str(config.seed), str(examples), "100"],
+            [sys.executable, "-c", _MEMORY_PROBE, str(config.seed), str(examples), str(config.memory_steps)],
             capture_output=True,
             text=True,
             check=True,
@@ -387,6 +510,7 @@ def _memory(config: BenchSettings) -> dict[str, Any] | str:
             "seconds": round(time.perf_counter() - started, 1),
         }
     sizes = [peaks[str(examples)]["peak_rss_mb"] for examples in config.memory_examples]
+    peaks["steps"] = config.memory_steps
     peaks["ratio_largest_to_smallest"] = round(max(sizes[-1], 1e-9) / max(sizes[0], 1e-9), 2)
     return peaks
 
@@ -420,14 +544,21 @@ def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
     missing = [name for name in ("pytest", "xdist") if importlib.util.find_spec(name) is None]
     if missing:
         return f"not measured: needs {' and '.join(missing)} (pip install pytest pytest-xdist)"
+    suites = SCALE_OUT_SUITES[: config.scale_out_suites]
     steps = sum(
         fuzz(
-            FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role, faults=faults, twins=twins
+            FakeShardEngine,
+            seed=config.seed,
+            examples=config.examples,
+            steps=config.steps,
+            role=role,
+            faults=faults,
+            twins=twins,
         ).steps
-        for role, faults, twins in SCALE_OUT_SUITES
+        for role, faults, twins in suites
     )
     source = _SCALE_OUT_HEADER.format(examples=config.examples, steps=config.steps) + "".join(
-        _SCALE_OUT_SUITE.format(role=role, faults=faults, twins=twins) for role, faults, twins in SCALE_OUT_SUITES
+        _SCALE_OUT_SUITE.format(role=role, faults=faults, twins=twins) for role, faults, twins in suites
     )
     # A database named in the environment would add its saved examples to some runs' work.
     environment = {name: value for name, value in os.environ.items() if not name.startswith("SHARDKIT_")}
@@ -449,7 +580,7 @@ def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
     serial, parallel = seconds[0], seconds[config.scale_out_workers]
     speedups = sorted(one / many for one, many in zip(serial, parallel, strict=True))
     return {
-        "suites": len(SCALE_OUT_SUITES),
+        "suites": len(suites),
         "steps": steps,
         "workers": config.scale_out_workers,
         "cpus": os.cpu_count(),
@@ -488,8 +619,15 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         raise ValueError(f"unknown bench sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
     started = time.perf_counter()
 
+    section_seconds: dict[str, float] = {}
+
     def measured(name: str, measure: Callable[[BenchSettings], Any]) -> Any:
-        return measure(config) if name in sections else NOT_MEASURED
+        if name not in sections:
+            return NOT_MEASURED
+        section_started = time.perf_counter()
+        figures = measure(config)
+        section_seconds[name] = round(time.perf_counter() - section_started, 1)
+        return figures
 
     throughput = measured("throughput", _throughput)
     engines = measured("engines", _engines)
@@ -517,6 +655,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         "scale_out": scale_out,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
+        "section_seconds": section_seconds,
     }
 
 
@@ -532,15 +671,19 @@ def render(bench: dict[str, Any]) -> str:
     if isinstance(per_role, str):
         lines.append(f"throughput, {run_size}: {per_role}")
     else:
-        lines.append(f"throughput, {run_size} (fake engine, faults on):")
+        rounds = len(next(iter(per_role.values()))["rounds"]) if per_role else 0
         lines.append(
-            f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7}"
+            f"throughput, {run_size} (fake engine, faults on; kit and bare interleaved, medians of {rounds} rounds):"
+        )
+        lines.append(
+            f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7} {'spread':>11} {'CPU ratio':>10}"
             f" {f'examples with a {LONG_SESSION_DECODES}+ decode session':>36}"
         )
         for role, row in per_role.items():
+            spread = f"{row['throughput_ratio_min']:.2f}-{row['throughput_ratio_max']:.2f}"
             lines.append(
                 f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
-                f" {row['long_session_share']:>36.0%}"
+                f" {spread:>11} {row['cpu_ratio']:>10.2f} {row['long_session_share']:>36.0%}"
             )
     engines = bench["engines"]
     if isinstance(engines, str):
@@ -561,16 +704,19 @@ def render(bench: dict[str, Any]) -> str:
     if isinstance(out_of_process, str):
         lines.append(f"out of process: {out_of_process}")
     else:
-        lines.append("out of process (fake, same seed: the same steps):")
-        base = {faults: out_of_process[f"in-process, faults {faults}"]["steps_per_s"] for faults in ("all", "none")}
+        rounds = len(next(iter(out_of_process.values()))["steps_per_s_by_round"])
+        lines.append(
+            f"out of process (fake, same seed: the same steps; modes interleaved, medians of {rounds} rounds):"
+        )
         for name, row in out_of_process.items():
-            faults = name.rpartition(" ")[2]
             started = row.get("workers_started")
             workers = "" if started is None else f", {started} worker process{'es' if started != 1 else ''} started"
-            lines.append(
-                f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s  x{base[faults] / row['steps_per_s']:.1f} slower"
-                f"  ({row['steps']} steps{workers})"
+            slower = (
+                f"  x{row['slower']:.1f} slower (x{row['slower_min']:.1f}-x{row['slower_max']:.1f})"
+                if "slower" in row
+                else ""
             )
+            lines.append(f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s{slower}  ({row['steps']} steps{workers})")
     planted = bench["planted"]
     if isinstance(planted, str):
         lines.append(f"planted bugs: {planted}")
@@ -580,7 +726,9 @@ def render(bench: dict[str, Any]) -> str:
             f"planted bugs at {seeds} seeds (shrunk length at each seed, min: the minimum; "
             "secs: median seconds to the first failure):"
         )
-        lines.append(f"  {'engine':<30} {'found':>5} {'min':>4}  {'shrunk at each seed':<24} {'secs':>6} {'contract':>8}")
+        lines.append(
+            f"  {'engine':<30} {'found':>5} {'min':>4}  {'shrunk at each seed':<24} {'secs':>6} {'contract':>8}"
+        )
         for row in planted:
             runs = row["runs"]
             lengths = " ".join(_cell(run["shrunk_length"]) if run["found"] else "NO" for run in runs)
@@ -603,7 +751,7 @@ def render(bench: dict[str, Any]) -> str:
         else:
             lines.append(
                 "  racy engines, --concurrency 2 --faults none, per seed: examples to the first failure, "
-                f"shrunk steps/lane steps (* its minimum), replays that reproduced of {RACY_REPLAY_RUNS}:"
+                f"shrunk steps/lane steps (* its minimum), replays that reproduced of {concurrency['racy_replays']}:"
             )
         for row in concurrency["racy"]:
             runs = row["runs"]
@@ -624,7 +772,7 @@ def render(bench: dict[str, Any]) -> str:
         sizes = [key for key in memory if key.isdigit()]
         cells = ", ".join(f"{memory[key]['peak_rss_mb']} MB at {int(key):,} examples" for key in sizes)
         lines.append(
-            f"memory (fake, 100 steps an example, a fresh process each): peak RSS {cells}; "
+            f"memory (fake, {memory['steps']} steps an example, a fresh process each): peak RSS {cells}; "
             f"ratio {memory['ratio_largest_to_smallest']}"
         )
     scale_out = bench["scale_out"]
@@ -645,7 +793,8 @@ def render(bench: dict[str, Any]) -> str:
             f"scale-out (shardkit campaign, {campaign['rounds_per_worker']} rounds a worker, start-up not counted): "
             f"steps/s by workers: {rates}; speed-up x{campaign['speedup']:.2f}"
         )
-    lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s")
+    sections = ", ".join(f"{name} {seconds:g} s" for name, seconds in bench["section_seconds"].items())
+    lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s ({sections})")
     return "\n".join(lines)
 
 

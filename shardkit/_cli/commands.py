@@ -4,6 +4,7 @@ hands its checked options to the library."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import importlib
 import json
@@ -11,11 +12,15 @@ import resource
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, check_isolation_options, for_command
 from shardkit._core.targets import IsolationOptions, ResolvedTarget, check_step_timeout, is_loopback, is_remote_address
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import ContractViolation, UsageError
+
+if TYPE_CHECKING:
+    from shardkit._cli.bench import BenchSettings
 
 __all__ = ["bench_command", "contract_command", "replay_command", "serve_command"]
 
@@ -74,7 +79,7 @@ def replay_command(args: argparse.Namespace) -> int:
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from shardkit._cli.bench import BenchSettings, render, run_bench
+    from shardkit._cli.bench import render, run_bench
 
     planted = None if args.planted == "none" else args.planted
     if planted is not None:
@@ -87,10 +92,31 @@ def bench_command(args: argparse.Namespace) -> int:
         if not isinstance(getattr(module, "PLANTED", None), tuple):
             message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
             raise UsageError(message)
-    memory = (300, 3000) if args.memory else ()
-    figures = run_bench(BenchSettings(args.examples, args.steps, args.seed, planted, memory, args.planted_seeds))
+    figures = run_bench(bench_settings(args, planted))
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return EXIT_OK
+
+
+def bench_settings(args: argparse.Namespace, planted: str | None) -> BenchSettings:
+    """The settings ``shardkit bench`` measures with: ``--quick``'s sizes or the full ones, then
+    each size given on the command line, which ``--quick`` never overrides."""
+    from shardkit._cli.bench import QUICK, BenchSettings
+
+    base = QUICK if args.quick else BenchSettings()
+    given = {
+        "examples": args.examples,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "planted_seeds": args.planted_seeds,
+    }
+    settings = dataclasses.replace(base, seed=args.seed, planted_module=planted)
+    settings = dataclasses.replace(settings, **{name: value for name, value in given.items() if value is not None})
+    if args.memory:
+        return dataclasses.replace(settings, memory_examples=(300, 3000), memory_steps=100)
+    # The peak at the run's own size and five times it: flat is the aim.
+    return dataclasses.replace(
+        settings, memory_examples=(settings.examples, 5 * settings.examples), memory_steps=settings.steps
+    )
 
 
 def contract_command(args: argparse.Namespace) -> int:
@@ -118,6 +144,8 @@ def serve_command(args: argparse.Namespace) -> int:
         _, host = parse_listen(args.listen)
     except ValueError as error:
         raise UsageError(f"shardkit serve: {error}") from None
+    if args.fork_server is not None:
+        return _fork_workers(args)
     if args.worker:
         from shardkit._transport.worker import watch_parent
 
@@ -144,6 +172,23 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         server.stop(0)
     return EXIT_OK
+
+
+def _fork_workers(args: argparse.Namespace) -> int:
+    """``serve TARGET --worker --fork-server FD``: the zygote of ``--isolate``
+    (``shardkit._transport.forkserver``). It imports what a worker needs, once; each worker
+    forked from it returns here and serves as ``serve TARGET --worker --listen URL`` would."""
+    from shardkit._transport.forkserver import serve_forks
+    from shardkit._transport.worker import watch_parent  # noqa: F401 - imported once here, not in each worker
+
+    if not args.worker:
+        raise UsageError("shardkit serve: --fork-server forks --worker processes; add --worker")
+    resolve_target(args.target)
+
+    def run_worker(url: str) -> int:
+        return serve_command(argparse.Namespace(**{**vars(args), "listen": url, "fork_server": None}))
+
+    return serve_forks(args.fork_server, run_worker)
 
 
 #: Room left under --worker-memory for the threads gRPC starts as calls arrive (8 MiB of stack each).

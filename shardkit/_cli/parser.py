@@ -270,13 +270,25 @@ def build_parser() -> _Parser:
 
     bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    bench.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples per run ({defaults.examples})")
-    bench.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
+    # Sizes default to None: --quick picks smaller ones, and a size given beside it still applies.
+    bench.add_argument("--examples", type=_positive_int("--examples"), default=None, help=f"examples per run ({defaults.examples})")
+    bench.add_argument("--steps", type=_positive_int("--steps"), default=None, help=f"steps per example ({defaults.steps})")
     bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
+    bench.add_argument(
+        "--rounds",
+        type=_positive_int("--rounds"),
+        default=None,
+        help="rounds of each interleaved comparison (kit and bare, in-process and out of process); the median round is reported (3)",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="every section at small sizes, in well under a minute: checks that the bench runs; its figures say nothing about speed",
+    )
     bench.add_argument(
         "--memory",
         action="store_true",
-        help="also measure a fuzz run's peak RSS at 300 and 3000 examples (takes minutes)",
+        help="measure peak RSS at 300 and 3000 examples of 100 steps (takes minutes) instead of --examples and five times as many",
     )
     bench.add_argument(
         "--planted",
@@ -286,7 +298,7 @@ def build_parser() -> _Parser:
     bench.add_argument(
         "--planted-seeds",
         type=_positive_int("--planted-seeds"),
-        default=BENCH_PLANTED_SEEDS,
+        default=None,
         help=f"fuzz each planted engine at this many seeds, from --seed on ({BENCH_PLANTED_SEEDS})",
     )
 
@@ -327,6 +339,9 @@ def build_parser() -> _Parser:
         metavar="N",
         help="engines kept alive at once; beyond N the least recently used is dropped (default 256)",
     )
+    # With --worker: be --isolate's fork server (shardkit/_transport/forkserver.py), forking
+    # a worker for each request on this descriptor. The kit passes it; nobody types it.
+    serve.add_argument("--fork-server", type=int, default=None, metavar="FD", help=argparse.SUPPRESS)
     return parser
 
 
