@@ -100,7 +100,7 @@ def _fail(owner: str, name: str, expected: str, value: object) -> TypeError:
 
 def _check_int(owner: str, name: str, value: object) -> None:
     # bool is an int subclass, but True as an epoch is always a bug in the caller.
-    if not isinstance(value, int) or isinstance(value, bool):
+    if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
         raise _fail(owner, name, "an int", value)
 
 

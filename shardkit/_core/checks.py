@@ -7,6 +7,7 @@ state, so the machine, the static contract and replay all share them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,12 +73,28 @@ def _residual_problems(caps: EngineCapabilities, bundle: BoundaryBundle, rows: i
         return [f"residual shape is {tensor.shape}, expected {expected_shape}"]
     if tensor.dtype != caps.dtype:
         return [f"residual dtype is {tensor.dtype!r}, expected {caps.dtype!r}"]
-    expected_bytes = rows * caps.hidden_size * np.dtype(caps.dtype).itemsize
+    try:
+        dtype = _wire_dtype(caps.dtype)
+    except TypeError:
+        return [f"residual dtype {caps.dtype!r} is not one numpy knows"]
+    expected_bytes = rows * caps.hidden_size * dtype.itemsize
     if len(tensor.data) != expected_bytes:
         return [f"residual holds {len(tensor.data)} bytes, shape {tensor.shape} needs {expected_bytes}"]
-    if not np.isfinite(tensor.to_array()).all():
+    if not np.isfinite(_rows(tensor.data, dtype, tensor.shape)).all():
         return ["residual holds a non-finite value"]
     return []
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_dtype(name: str) -> np.dtype[Any]:
+    """The dtype named ``name`` as ``EngineTensor`` data holds it (little-endian)."""
+    return np.dtype(name).newbyteorder("<")
+
+
+def _rows(data: bytes, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """A read-only view of a tensor's data whose size was checked: the checks read every
+    output of every twin, and ``EngineTensor.to_array`` copies."""
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def _expected_sideband(caps: EngineCapabilities, request: StepRequest) -> tuple[int, ...] | None:
@@ -99,7 +116,11 @@ def payloads_of(output: BoundaryBundle | TokenOutput, positions: int) -> list[Pa
     token of the whole history (which is the last of ``positions``)."""
     if isinstance(output, TokenOutput):
         return [(output.token_id, output.margin)]
-    rows = output.tensors[0].to_array()
+    tensor = output.tensors[0]
+    try:
+        rows = _rows(tensor.data, _wire_dtype(tensor.dtype), tensor.shape)
+    except (TypeError, ValueError):
+        rows = tensor.to_array()  # raises ValueError naming what does not fit
     return [rows[index] for index in range(min(positions, rows.shape[0]))]
 
 

@@ -14,6 +14,7 @@ configuration and the hash numerics only.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import math
 import sys
@@ -21,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
@@ -178,7 +178,12 @@ class _HashLayers:
     role: Role
 
     def fresh_chains(self) -> list[bytes]:
-        return [hashlib.sha256(self.seed + b"chain" + _u64(layer)).digest() for layer in self.layers]
+        return list(self._fresh_chains)
+
+    @functools.cached_property
+    def _fresh_chains(self) -> tuple[bytes, ...]:
+        # Every session epoch starts from these: hashed once per load, not once per session.
+        return tuple(hashlib.sha256(self.seed + b"chain" + _u64(layer)).digest() for layer in self.layers)
 
     def embed(self, token_id: int, hidden_size: int) -> bytes:
         return _unit_float_bytes(self.seed + b"embed" + _u64(token_id), hidden_size)
@@ -191,7 +196,7 @@ class _HashLayers:
         for item in inputs:
             # A token is keyed by its id (8 bytes), a row by its bytes (4 per value): the tag tells them apart.
             key = shard + b"".join(chains) + (b"token" + _u64(item) if isinstance(item, int) else b"row" + item)
-            passed, output = _PASS_MEMO.passed(key, partial(self._pass, tuple(chains), item, hidden_size))
+            passed, output = _PASS_MEMO.passed(key, functools.partial(self._pass, tuple(chains), item, hidden_size))
             chains[:] = passed
             outputs.append(output)
         return outputs
