@@ -479,10 +479,43 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_p
     assert bench.NOT_MEASURED not in table
 
 
+def test_bench_profile_splits_a_kit_run_into_the_kits_components() -> None:
+    """``--profile``: each role's shares sum to one, and the components a run always passes
+    through (Hypothesis, the engine, the driver, the twin oracle) each have a share."""
+    figures = bench.run_bench(bench.BenchSettings(examples=5, steps=10, profile=True), sections=("profile",))
+    profile = figures["profile"]
+    assert set(profile) == {"full", "head", "middle", "tail"}
+    components = {name for _, name in bench.PROFILE_COMPONENTS}
+    for shares in profile.values():
+        assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
+        assert set(shares) <= components | {"Python's built-ins and standard library"}
+        for part in ("hypothesis/", "shardkit/engines/", "shardkit/_core/driver.py", "shardkit/_core/twins.py"):
+            assert shares[dict(bench.PROFILE_COMPONENTS)[part]] > 0, (part, shares)
+    table = bench.render(figures)
+    assert re.search(
+        r"^  Hypothesis \(drawing steps.* +\d+\.\d% +\d+\.\d% +\d+\.\d% +\d+\.\d%$", table, re.MULTILINE
+    ), table
+    assert (
+        bench.run_bench(bench.BenchSettings(), sections=("profile",))["profile"]
+        == "not measured (shardkit bench --profile)"
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ([], {"examples": 200, "steps": 50, "rounds": 3, "planted_seeds": 5, "memory_examples": (200, 1000)}),
+        (
+            [],
+            {
+                "examples": 200,
+                "steps": 50,
+                "rounds": 3,
+                "planted_seeds": 5,
+                "memory_examples": (200, 1000),
+                "profile": False,
+            },
+        ),
+        (["--quick", "--profile"], {"examples": 10, "profile": True}),
         (["--quick"], {"examples": 10, "steps": 10, "rounds": 2, "planted_seeds": 1, "memory_examples": (10, 50)}),
         (
             ["--quick", "--examples", "30", "--rounds", "5"],

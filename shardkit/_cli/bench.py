@@ -59,7 +59,7 @@ BUNDLED_PLANTED = "shardkit._planted"
 RACY_REPLAY_RUNS = 20
 
 #: The sections of a bench run, in the order they are measured (``run_bench``'s ``sections``).
-SECTIONS = ("throughput", "engines", "out_of_process", "planted", "concurrency", "memory", "scale_out")
+SECTIONS = ("throughput", "profile", "engines", "out_of_process", "planted", "concurrency", "memory", "scale_out")
 #: What a section left out by ``run_bench(..., sections=...)`` reports instead of its figures.
 NOT_MEASURED = "not measured in this run"
 
@@ -83,6 +83,8 @@ class BenchSettings:
     rounds: int = 3
     #: Replays of each racy engine's trace (a race reproduces on some runs only).
     racy_replays: int = RACY_REPLAY_RUNS
+    #: Profile one kit run per role (``--profile``): where a step's time goes, by component.
+    profile: bool = False
     #: At most this many planted engines of the module, and of the racy ones (None: all of them).
     planted_engines: int | None = None
     #: Rounds of the scale-out section, each one ``pytest -n 0`` and one ``pytest -n N`` run.
@@ -226,6 +228,65 @@ def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
         "long_session_share": round(long_session_share(runs[0]), 4),
         "longest_session_histogram": session_histogram(runs[0]),
     }
+
+
+#: The kit's components, by where their code lives: a profile's time is summed per component.
+PROFILE_COMPONENTS = (
+    ("hypothesis/", "Hypothesis (drawing steps, its engine, its bookkeeping)"),
+    ("shardkit/engines/", "the engine: the fake's numerics and the lifecycle base (engine under test and twins)"),
+    ("shardkit/_core/twins.py", "the twin oracle: feeding twins, composition"),
+    ("shardkit/_core/output_checks.py", "the twin oracle: comparing outputs with the twins'"),
+    ("shardkit/_core/model.py", "the reference model"),
+    ("shardkit/_core/driver.py", "the driver: calls, metrics checks, records"),
+    ("shardkit/_core/fault", "faults"),
+    ("shardkit/_core/steps.py", "building requests"),
+    ("shardkit/_core/checks.py", "output shape checks and the memo"),
+    ("shardkit/contract.py", "contract types: building and checking values"),
+    ("shardkit/_machine/", "the state machine: rules, coverage, events"),
+    ("shardkit/", "the rest of the kit"),
+)
+
+
+def _profile(config: BenchSettings) -> dict[str, Any] | str:
+    """One kit run per role under cProfile: the share of its time each component took. Time
+    in Python's built-ins and standard library goes to the component that called them. The
+    profiler slows code of many small calls more than the rest, so shares are approximate."""
+    if not config.profile:
+        return "not measured (shardkit bench --profile)"
+    import cProfile
+    import pstats
+
+    roles: dict[str, Any] = {}
+    for role in ROLES:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
+        profiler.disable()
+        shares = _component_seconds(pstats.Stats(profiler))
+        total = sum(shares.values())
+        roles[role] = {
+            name: round(seconds / total, 4) for name, seconds in sorted(shares.items(), key=lambda item: -item[1])
+        }
+    return roles
+
+
+def _component_seconds(stats: Any) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    for (file, _, _), (_, _, own, _, callers) in stats.stats.items():
+        component = _component(file)
+        if component is not None:
+            seconds[component] = seconds.get(component, 0.0) + own
+            continue
+        # A built-in or the standard library: its time goes to whoever called it.
+        for (caller_file, _, _), caller_timing in callers.items():
+            owner = _component(caller_file) or "Python's built-ins and standard library"
+            seconds[owner] = seconds.get(owner, 0.0) + caller_timing[2]
+    return seconds
+
+
+def _component(file: str) -> str | None:
+    path = file.replace(os.sep, "/")
+    return next((name for part, name in PROFILE_COMPONENTS if part in path), None)
 
 
 #: Engines compared on kit throughput and on the cost of one decode step (full role).
@@ -630,6 +691,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         return figures
 
     throughput = measured("throughput", _throughput)
+    profile = measured("profile", _profile)
     engines = measured("engines", _engines)
     out_of_process = measured("out_of_process", _out_of_process)
     planted = measured("planted", _planted)
@@ -647,6 +709,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         "throughput_ratio": full["throughput_ratio"],
         "long_session_share": full["long_session_share"],
         "per_role": throughput,
+        "profile": profile,
         "engines": engines,
         "out_of_process": out_of_process,
         "planted": planted,
@@ -685,6 +748,17 @@ def render(bench: dict[str, Any]) -> str:
                 f"  {role:<8} {row['kit_steps_per_s']:>12,.0f} {row['bare_steps_per_s']:>13,.0f} {row['throughput_ratio']:>7.2f}"
                 f" {spread:>11} {row['cpu_ratio']:>10.2f} {row['long_session_share']:>36.0%}"
             )
+    profile = bench["profile"]
+    if isinstance(profile, str):
+        lines.append(f"profile: {profile}")
+    else:
+        lines.append("profile (share of a kit run's time by component, one run per role under cProfile):")
+        roles = list(profile)
+        components = list(profile[roles[0]])
+        lines.append(f"  {'component':<90}" + "".join(f" {role:>7}" for role in roles))
+        for component in components:
+            cells = "".join(f" {profile[role].get(component, 0.0):>7.1%}" for role in roles)
+            lines.append(f"  {component:<90}{cells}")
     engines = bench["engines"]
     if isinstance(engines, str):
         lines.append(f"engines: {engines}")

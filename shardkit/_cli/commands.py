@@ -109,7 +109,7 @@ def bench_settings(args: argparse.Namespace, planted: str | None) -> BenchSettin
         "rounds": args.rounds,
         "planted_seeds": args.planted_seeds,
     }
-    settings = dataclasses.replace(base, seed=args.seed, planted_module=planted)
+    settings = dataclasses.replace(base, seed=args.seed, planted_module=planted, profile=args.profile)
     settings = dataclasses.replace(settings, **{name: value for name, value in given.items() if value is not None})
     if args.memory:
         return dataclasses.replace(settings, memory_examples=(300, 3000), memory_steps=100)

@@ -286,6 +286,11 @@ def build_parser() -> _Parser:
         help="every section at small sizes, in well under a minute: checks that the bench runs; its figures say nothing about speed",
     )
     bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one kit run per role: the share of its time each component of the kit takes",
+    )
+    bench.add_argument(
         "--memory",
         action="store_true",
         help="measure peak RSS at 300 and 3000 examples of 100 steps (takes minutes) instead of --examples and five times as many",
