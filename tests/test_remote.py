@@ -4,6 +4,7 @@ and are always stopped; no test waits on a hang longer than its deadline."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -48,6 +49,7 @@ from shardkit import (
 from shardkit._cli.main import main
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
+from shardkit._transport import client as transport_client
 from shardkit._transport import codec
 from shardkit._transport.resolve import resolve_target
 from shardkit._transport.server import ShardEngineServicer
@@ -648,6 +650,23 @@ def test_the_standalone_worker_passes_shardkit_contract(worker: str, capsys: pyt
     assert f"{worker}: every contract check passed, 3 skipped:" in out  # it serves the full model only
 
 
+def test_the_standalone_worker_knowing_no_answers_ahead_is_asked_every_call(worker: str, rpcs: list[str]) -> None:
+    dropped = RemoteShardEngine(worker)
+    del dropped
+    gc.collect()
+    engine = RemoteShardEngine(worker)
+    total = engine.capabilities().total_layers
+    engine.load(LoadRequest("m", 0, total - 1, total))
+    engine.capabilities()
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1,)))
+    engine.metrics()
+    engine.decode(DecodeRequest("a", 0, 1, token_ids=(2,)))
+    assert engine.metrics().decode_calls == 1
+    assert rpcs[-9:] == [
+        "NewEngine", "CloseEngine", "Capabilities", "Load", "Capabilities", "Prefill", "Metrics", "Decode", "Metrics"
+    ]
+
+
 def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str) -> None:
     result = fuzz(worker, seed=2, examples=40, steps=30)
     assert result.failure is None, result.failure and result.failure.violation.message
@@ -754,3 +773,292 @@ def test_messages_are_limited_on_both_ends_and_an_oversized_one_is_named(served:
         engine.prefill(oversized)
     assert refused.value.code == "RESOURCE_EXHAUSTED"
     assert engine.health().status.ok  # the server is still there
+
+
+# --- answers sent ahead: fewer round trips, never a stale answer -----------------------------------------
+
+
+@pytest.fixture
+def rpcs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The RPCs every client in this test sends, in order (CloseEngine futures as "CloseEngine")."""
+    sent: list[str] = []
+    call, close_each = transport_client._Connection.call, transport_client._Connection._close_each
+
+    def recording_call(self: Any, operation: str, rpc: str, request: Any, timeout: float, **options: Any) -> Any:
+        sent.append(rpc)
+        return call(self, operation, rpc, request, timeout, **options)
+
+    def recording_close_each(self: Any, engine_ids: list[int], timeout: float) -> None:
+        sent.extend("CloseEngine" for _ in engine_ids)
+        close_each(self, engine_ids, timeout)
+
+    monkeypatch.setattr(transport_client._Connection, "call", recording_call)
+    monkeypatch.setattr(transport_client._Connection, "_close_each", recording_close_each)
+    return sent
+
+
+def _served_engine(server: EngineServer, engine: RemoteShardEngine) -> Any:
+    """The engine itself, inside the (in-process) server: the truth a copy must equal."""
+    return server.servicer._engines[engine.engine_id].engine
+
+
+def test_metrics_right_after_a_step_come_with_it_and_are_exactly_the_engines(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    server = served()
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1, 2)))
+    engine.metrics()  # the first step followed by metrics(): from now on its steps ask for them
+    del rpcs[:]
+    for step in range(1, 4):
+        assert engine.decode(DecodeRequest("a", 0, step, token_ids=(step,))).status.ok
+        assert engine.metrics() == _served_engine(server, engine).metrics() == MetricsResult(1, step, 1, 2 + step)
+    assert rpcs == ["Decode"] * 3
+    engine.metrics()  # a copy answers once: nothing happened since, but the engine is asked
+    assert rpcs[-1] == "Metrics"
+
+
+def test_metrics_right_after_a_cancel_release_or_fault_come_with_it_too(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    server = served()
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1, 2)))
+    engine.metrics()
+    del rpcs[:]
+    for call in (
+        lambda: engine.inject_fault(Fault("memory_pressure", 5.0)),
+        lambda: engine.cancel("a", 0),
+        lambda: engine.release("a"),
+    ):
+        assert call().ok
+        assert engine.metrics() == _served_engine(server, engine).metrics()
+    assert rpcs == ["InjectFault", "Cancel", "Release"]
+    assert engine.metrics() == MetricsResult(1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("between", ["health", "release", "cancel", "capabilities", "inject_fault"])
+def test_any_call_between_a_step_and_metrics_makes_metrics_ask_the_engine(
+    served: Callable[..., EngineServer], rpcs: list[str], between: str
+) -> None:
+    server = served()
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1, 2)))
+    engine.metrics()
+    engine.decode(DecodeRequest("a", 0, 1, token_ids=(3,)))
+    {
+        "health": engine.health,
+        "release": lambda: engine.release("a"),
+        "cancel": lambda: engine.cancel("a", 0),
+        "capabilities": engine.capabilities,
+        "inject_fault": lambda: engine.inject_fault(Fault("memory_pressure", 1.0)),
+    }[between]()
+    del rpcs[:]
+    assert engine.metrics() == _served_engine(server, engine).metrics()
+    assert rpcs == ["Metrics"]
+
+
+class _HeldDecodes(FakeShardEngine):
+    """The fake, whose decodes of session "held" wait for ``HELD`` before they start."""
+
+    HELD = threading.Event()
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        if request.session_id == "held":
+            assert self.HELD.wait(5)
+        return super().decode(request)
+
+
+def test_a_step_that_overlapped_another_never_answers_metrics_from_a_copy(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    """The copy came with a step sent while no other call was in flight, but another started
+    before it returned: the engine is asked."""
+    _HeldDecodes.HELD.clear()
+    server = served(_HeldDecodes)
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    assert engine.capabilities().concurrent_calls  # the server lets its calls overlap
+    for session in ("held", "free"):
+        engine.prefill(PrefillRequest(session, 0, 0, token_ids=(1,)))
+        engine.metrics()
+    held = futures.ThreadPoolExecutor(1).submit(engine.decode, DecodeRequest("held", 0, 1, token_ids=(2,)))
+    while "Decode" not in rpcs:
+        time.sleep(0.001)
+    assert engine.decode(DecodeRequest("free", 0, 1, token_ids=(2,))).status.ok  # while the held one waits
+    _HeldDecodes.HELD.set()
+    assert held.result(5).status.ok
+    del rpcs[:]
+    assert engine.metrics() == MetricsResult(2, 2, 2, 4)
+    assert rpcs == ["Metrics"]
+
+
+class _MetricsFailOnce(FakeShardEngine):
+    """The fake, whose second metrics() call raises: an engine bug that shows only sometimes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics_calls = 0
+
+    def metrics(self) -> MetricsResult:
+        self.metrics_calls += 1
+        if self.metrics_calls == 2:
+            raise RuntimeError("metrics broke")
+        return super().metrics()
+
+
+def test_metrics_that_raise_when_sent_ahead_raise_in_the_metrics_call_the_kit_makes(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    """The server ran metrics() ahead and it raised: the client's own metrics() meets that very
+    exception (a second metrics() call, which would succeed, must not hide it)."""
+    server = served(_MetricsFailOnce)
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1,)))
+    engine.metrics()
+    assert engine.decode(DecodeRequest("a", 0, 1, token_ids=(2,))).status.ok  # metrics() raised, ahead
+    with pytest.raises(RemoteEngineCrashed, match=r"metrics\(\): the engine raised RuntimeError: metrics broke") as crash:
+        engine.metrics()
+    assert crash.value.exception_type == "RuntimeError"
+    assert _served_engine(server, engine).metrics_calls == 2  # the failure was not a call of its own
+    assert rpcs[-2:] == ["Decode", "Metrics"]
+    assert engine.metrics() == MetricsResult(1, 1, 1, 2)  # the engine's next metrics() call
+
+
+def test_a_call_that_failed_ends_copies_for_that_engine(served: Callable[..., EngineServer], rpcs: list[str]) -> None:
+    """A call that missed its deadline may still run on the server: no later copy is provably current."""
+    release = threading.Event()
+    server = served(lambda: FakeShardEngine(FakeShardEngineConfig(step_delay_seconds=30, sleep=release.wait)))
+    engine = RemoteShardEngine(server.url, timeout_seconds=0.3)
+    engine.load(FULL)
+    try:
+        with pytest.raises(RemoteDeadlineExceeded):
+            engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1,)))
+    finally:
+        release.set()
+    for step in range(1, 3):
+        engine.decode(DecodeRequest("a", 0, step, token_ids=(step,)))
+        engine.metrics()
+    assert rpcs[-4:] == ["Decode", "Metrics", "Decode", "Metrics"]
+
+
+def test_capabilities_right_after_load_come_with_it_and_a_fault_makes_them_ask(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    server = served()
+    first = RemoteShardEngine(server.url)
+    first.load(FULL)
+    first.capabilities()  # engines of this connection are asked for capabilities right after load
+    engine = RemoteShardEngine(server.url)
+    del rpcs[:]
+    engine.load(FULL)
+    assert engine.capabilities() == _served_engine(server, engine).capabilities()
+    assert rpcs == ["Load"]
+    assert engine.inject_fault(Fault("memory_pressure", 1.0)).ok
+    assert engine.capabilities().max_kv_tokens == 1
+    assert rpcs[-1] == "Capabilities"
+
+
+class _NoCapabilitiesOnceLoaded(FakeShardEngine):
+    def capabilities(self) -> EngineCapabilities:
+        if self.health().serving:
+            raise EngineError(StructuredStatus(StatusCode.FAILED_PRECONDITION, "no capabilities once loaded"))
+        return super().capabilities()
+
+
+def test_capabilities_refused_right_after_load_are_refused_from_the_copy_alike(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    server = served(_NoCapabilitiesOnceLoaded)
+    refusals = []
+    for _ in range(2):  # the second engine gets its capabilities ahead
+        engine = RemoteShardEngine(server.url)
+        engine.load(FULL)
+        with pytest.raises(EngineError) as refused:
+            engine.capabilities()
+        refusals.append(refused.value.status)
+    assert refusals[0] == refusals[1] == StructuredStatus(StatusCode.FAILED_PRECONDITION, "no capabilities once loaded")
+    assert rpcs[-2:] == ["NewEngine", "Load"]
+
+
+def test_engines_dropped_by_the_client_are_closed_with_its_next_new_engine(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    server = served()
+    dropped = RemoteShardEngine(server.url)
+    del dropped
+    gc.collect()
+    RemoteShardEngine(server.url)
+    assert server.servicer.engine_count == 1
+    assert "CloseEngine" not in rpcs
+
+
+class _FirstReleaseServicer(ShardEngineServicer):
+    """A server of contract v1's first release: it knows none of the fields that save round trips."""
+
+    def NewEngine(self, request: Any, context: Any) -> Any:
+        response = super().NewEngine(pb.NewEngineRequest(), context)
+        response.ClearField("closed_engine_ids")
+        return response
+
+    def Load(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_capabilities")
+        return super().Load(call, context)
+
+    def Prefill(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_metrics")
+        return super().Prefill(call, context)
+
+    def Decode(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_metrics")
+        return super().Decode(call, context)
+
+    def Cancel(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_metrics")
+        return super().Cancel(call, context)
+
+    def Release(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_metrics")
+        return super().Release(call, context)
+
+    def InjectFault(self, call: Any, context: Any) -> Any:
+        call.ClearField("with_metrics")
+        return super().InjectFault(call, context)
+
+
+def test_a_server_without_answers_ahead_is_asked_everything_and_fuzzes_alike(
+    rpcs: list[str], tmp_path: Path
+) -> None:
+    servicer = _FirstReleaseServicer(resolve_target(FakeShardEngine))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ShardEngineServiceServicer_to_server(servicer, server)
+    url = f"unix:{tmp_path / 'first-release.sock'}"
+    server.add_insecure_port(url)
+    server.start()
+    try:
+        dropped = RemoteShardEngine(url)
+        del dropped
+        gc.collect()
+        engine = RemoteShardEngine(url)
+        engine.load(FULL)
+        engine.capabilities()
+        for epoch in range(2):
+            engine.prefill(PrefillRequest("a", epoch, 0, token_ids=(1,)))
+            assert engine.metrics() == MetricsResult(epoch + 1, 0, 1, 1)
+        assert engine.release("a").ok
+        assert engine.metrics() == MetricsResult(2, 0, 0, 0)
+        assert rpcs[-10:] == ["NewEngine", "CloseEngine", "Load", "Capabilities", *["Prefill", "Metrics"] * 2, "Release", "Metrics"]
+        deadline = time.perf_counter() + 5
+        while servicer.engine_count > 1 and time.perf_counter() < deadline:
+            time.sleep(0.01)  # the CloseEngine is not waited for
+        assert servicer.engine_count == 1
+        local = fuzz("shardkit:FakeShardEngine", seed=3, examples=15, steps=20)
+        remote = fuzz(url, seed=3, examples=15, steps=20)
+        assert (remote.failure, remote.steps, remote.coverage) == (None, local.steps, local.coverage)
+    finally:
+        close_connections()
+        server.stop(0)

@@ -117,6 +117,9 @@ class _Connection:
         self.target = ""
         self.server_id = ""
         self.closed = False
+        #: Whether the last engine loaded through this connection was asked ``capabilities()``
+        #: right after ``load``, as the kit asks every engine: then ``load`` asks for them ahead.
+        self.capabilities_after_load = False
         #: Guards what engines on this connection share (the server's identity, the
         #: CloseEngine calls in flight): any number of threads may call through it at once.
         self._lock = threading.Lock()
@@ -188,25 +191,32 @@ class _Connection:
             self.server, self.target, self.server_id = response.server, response.target, response.server_id
 
     def new_engine(self, timeout: float) -> int:
+        dropped = []
         while True:
             # Another thread may take the last id between a check and a pop: pop, then check.
             try:
-                engine_id = self.to_close.popleft()
+                dropped.append(self.to_close.popleft())
             except IndexError:
                 break
-            # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
-            # future is kept until done, since gRPC cancels a call whose future is collected.
-            closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=engine_id), timeout=timeout)
-            with self._lock:
-                self.closing.add(closing)
-            closing.add_done_callback(self._closed_one)
-        response = self.call("NewEngine", "NewEngine", pb.NewEngineRequest(), timeout)
+        # The engines dropped since the last NewEngine travel with it: one call instead of one each.
+        response = self.call("NewEngine", "NewEngine", pb.NewEngineRequest(close_engine_ids=dropped), timeout)
+        if dropped and not response.closed_engine_ids:
+            self._close_each(dropped, timeout)  # a server that does not know close_engine_ids
         with self._lock:
             known = self.server_id
         if response.server_id != known:
             # The channel reconnected to another server on this address: check it speaks our version.
             self.handshake(timeout, wait_for_ready=False)
         return int(response.engine_id)
+
+    def _close_each(self, engine_ids: list[int], timeout: float) -> None:
+        for engine_id in engine_ids:
+            # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
+            # future is kept until done, since gRPC cancels a call whose future is collected.
+            closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=engine_id), timeout=timeout)
+            with self._lock:
+                self.closing.add(closing)
+            closing.add_done_callback(self._closed_one)
 
     def _closed_one(self, closing: Any) -> None:
         with self._lock:
@@ -301,6 +311,85 @@ def _step_text(operation: str, request: PrefillRequest | DecodeRequest) -> str:
     return f"{operation}(session={request.session_id!r}, epoch={request.epoch}, step={request.step}, {size})"
 
 
+#: The RPCs after which the kit asks for the engine's metrics, and which can ask for them ahead.
+_STEP_RPCS = frozenset({"Prefill", "Decode", "Cancel", "Release", "InjectFault"})
+
+
+class _CallOrder:
+    """The calls of one remote engine in the order they start, and the answer the server sent
+    ahead with the last one (``StepCall.with_metrics``, ``LoadCall.with_capabilities``): what
+    lets ``metrics()`` right after a step, and ``capabilities()`` right after ``load``, be
+    answered without a round trip, and only while that copy is provably current.
+
+    A copy answers its operation only if it came with the answer of the last call started on
+    this engine, a call sent while no other call of this engine was in flight (from any
+    thread), and nothing started since; taking it counts as a call, so it answers once. A
+    call that fails ends copies for this engine for good: one that missed its deadline may
+    still be running on the server, so no copy is provably current any more. Each copy is
+    what the engine itself answered, on the server, right after that call and before any other
+    (the server makes sure: see ``server._AnswerAhead``).
+
+    A copy is asked for only where the calls so far say it will be used, since the server
+    calls the engine for it either way: metrics while this engine's steps (prefill, decode,
+    cancel, release, inject_fault) are followed by ``metrics()`` (the engine under test;
+    the twins of the oracle never are), capabilities
+    while the engines loaded through this connection were asked ``capabilities()`` next.
+    """
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self._lock = threading.Lock()
+        self._started = 0
+        self._in_flight = 0
+        self._previous = ""  # the RPC of the last call started
+        #: (the RPC it answers, the number of the call it came with, the response message).
+        self._kept: tuple[str, int, Any] | None = None
+        self._failed = False
+        self._metrics_after_steps = False
+
+    def _note(self, rpc: str) -> None:
+        """Learn whether this engine's steps are followed by ``metrics()``; a call is starting."""
+        if self._previous in _STEP_RPCS:
+            self._metrics_after_steps = rpc == "Metrics"
+        elif self._previous == "Load":
+            self._connection.capabilities_after_load = rpc == "Capabilities"
+        self._previous = rpc
+        self._started += 1
+        self._kept = None
+
+    def begin(self, rpc: str) -> tuple[int, bool]:
+        """A call of ``rpc`` starts: its number, and whether it should ask for an answer ahead."""
+        with self._lock:
+            self._note(rpc)
+            self._in_flight += 1
+            alone = self._in_flight == 1 and not self._failed
+            if rpc == "Load":
+                wanted = self._connection.capabilities_after_load
+            else:
+                wanted = rpc in _STEP_RPCS and self._metrics_after_steps
+            return self._started, alone and wanted
+
+    def end(self, number: int, *, failed: bool = False, ahead: tuple[str, Any] | None = None) -> None:
+        """Call ``number`` ended; ``ahead``: (the RPC, the message) the server answered ahead."""
+        with self._lock:
+            self._in_flight -= 1
+            self._failed = self._failed or failed
+            if ahead is not None and self._started == number and not self._failed:
+                self._kept = (ahead[0], number, ahead[1])
+
+    def take(self, rpc: str) -> Any | None:
+        """The copy of ``rpc``'s answer, if it is provably current (the call is then made);
+        None: make the call."""
+        with self._lock:
+            kept = self._kept
+            current = kept is not None and kept[0] == rpc and kept[1] == self._started and self._in_flight == 0
+            if not current:
+                return None
+            assert kept is not None
+            self._note(rpc)
+            return kept[2]
+
+
 class RemoteShardEngine(ShardEngine):
     """A fresh engine on the server at ``address``, owned by this object until ``close()``.
 
@@ -309,12 +398,17 @@ class RemoteShardEngine(ShardEngine):
     ``remote_target`` sets) makes a call that finds the server gone, or this engine evicted,
     raise ``EngineLost`` rather than ``RemoteUnavailable``/``RemoteEngineEvicted``.
 
-    Any number of threads may call one engine at once: it keeps no state of its own between
-    calls (no counter, no cached capabilities or metrics), and the connection it shares is
+    Any number of threads may call one engine at once, and the connection it shares is
     safe to call through from several threads. Whether the calls may overlap on the
     server is the served engine's to say: ``capabilities()`` passes its
     ``concurrent_calls`` through, and ``shardkit serve`` runs the calls of an engine that
     does not declare it one at a time.
+
+    The one state it keeps between calls saves round trips: a step asks the server for the
+    engine's metrics right after it, and ``load`` for its capabilities, and ``metrics()`` or
+    ``capabilities()`` called next answers with that copy while it is provably what the
+    engine would answer now (``_CallOrder``); otherwise it asks the server. A server that does
+    not send such copies (an older one, a worker in another language) is simply asked.
     """
 
     def __init__(
@@ -332,6 +426,7 @@ class RemoteShardEngine(ShardEngine):
         self._connection = _connect(self.url, dial, self.timeout_seconds, wait_for_server)
         self.engine_id = self._connection.new_engine(self.timeout_seconds)
         self._ref = pb.EngineRef(engine_id=self.engine_id)
+        self._order = _CallOrder(self._connection)
         self._finalizer = weakref.finalize(self, self._connection.to_close.append, self.engine_id)
 
     def __repr__(self) -> str:
@@ -356,13 +451,25 @@ class RemoteShardEngine(ShardEngine):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call(self, operation: str, rpc: str, request: Any) -> Any:
+    def _call(self, operation: str, rpc: str, request: Any, number: int | None = None) -> Any:
+        """One call; ``number``: it began already (``_CallOrder.begin``) and the caller ends it."""
+        own = number is None
+        if own:
+            number, _ = self._order.begin(rpc)
+        assert number is not None
         try:
-            return self._connection.call(operation, rpc, request, self.timeout_seconds)
+            response = self._connection.call(operation, rpc, request, self.timeout_seconds)
         except (RemoteUnavailable, RemoteEngineEvicted) as error:
+            self._order.end(number, failed=True)
             if not self.loss_ends_run:
                 raise
             raise _lost(error) from error
+        except BaseException:
+            self._order.end(number, failed=True)
+            raise
+        if own:
+            self._order.end(number)
+        return response
 
     def _decode(self, operation: str, decode: Callable[[], T]) -> T:
         try:
@@ -378,8 +485,15 @@ class RemoteShardEngine(ShardEngine):
 
     def load(self, request: LoadRequest) -> LoadResult:
         operation = f"load(model_id={request.model_id!r}, layers {request.shard_start}..{request.shard_end} of {request.total_layers})"
-        call = pb.LoadCall(engine_id=self.engine_id, request=codec.load_request_to_pb(request))
-        response = self._call(operation, "Load", call)
+        number, ask = self._order.begin("Load")
+        try:
+            call = pb.LoadCall(engine_id=self.engine_id, request=codec.load_request_to_pb(request), with_capabilities=ask)
+        except BaseException:
+            self._order.end(number)  # nothing was sent
+            raise
+        response = self._call(operation, "Load", call, number)
+        kept = ("Capabilities", response.capabilities) if ask and response.HasField("capabilities") else None
+        self._order.end(number, ahead=kept)
         outcome = response.WhichOneof("outcome")
         if outcome == "error":
             raise EngineError(self._decode(operation, lambda: codec.status_from_pb(response.error)))
@@ -389,7 +503,9 @@ class RemoteShardEngine(ShardEngine):
 
     def capabilities(self) -> EngineCapabilities:
         operation = "capabilities()"
-        response = self._call(operation, "Capabilities", self._ref)
+        response = self._order.take("Capabilities")
+        if response is None:
+            response = self._call(operation, "Capabilities", self._ref)
         outcome = response.WhichOneof("outcome")
         if outcome == "error":
             raise EngineError(self._decode(operation, lambda: codec.status_from_pb(response.error)))
@@ -398,27 +514,52 @@ class RemoteShardEngine(ShardEngine):
         return self._decode(operation, lambda: codec.capabilities_from_pb(response.capabilities))
 
     def prefill(self, request: PrefillRequest) -> StepResult:
-        operation = _step_text("prefill", request)
-        call = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(request))
-        response = self._call(operation, "Prefill", call)
-        return self._decode(operation, lambda: codec.step_result_from_pb(response))
+        return self._step("prefill", "Prefill", request)
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        operation = _step_text("decode", request)
-        call = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(request))
-        response = self._call(operation, "Decode", call)
+        return self._step("decode", "Decode", request)
+
+    def _step(self, name: str, rpc: str, request: PrefillRequest | DecodeRequest) -> StepResult:
+        operation = _step_text(name, request)
+
+        def build(with_metrics: bool) -> Any:
+            request_message = codec.step_request_to_pb(request)
+            return pb.StepCall(engine_id=self.engine_id, request=request_message, with_metrics=with_metrics)
+
+        response = self._changing(operation, rpc, build)
         return self._decode(operation, lambda: codec.step_result_from_pb(response))
+
+    def _changing(self, operation: str, rpc: str, build: Callable[[bool], Any]) -> Any:
+        """A call after which the kit asks for metrics: ``build(with_metrics)`` makes its
+        message, asking for them ahead when ``_CallOrder`` says the copy will be used."""
+        number, ask = self._order.begin(rpc)
+        try:
+            call = build(ask)
+        except BaseException:
+            self._order.end(number)  # nothing was sent
+            raise
+        response = self._call(operation, rpc, call, number)
+        self._order.end(number, ahead=("Metrics", response.metrics) if ask and response.HasField("metrics") else None)
+        return response
 
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         operation = f"cancel(session={session_id!r}, epoch={epoch})"
-        call = pb.CancelCall(engine_id=self.engine_id, session_id=session_id)
-        codec.put_counter(call, "epoch", epoch)
-        response = self._call(operation, "Cancel", call)
+
+        def build(with_metrics: bool) -> Any:
+            call = pb.CancelCall(engine_id=self.engine_id, session_id=session_id, with_metrics=with_metrics)
+            codec.put_counter(call, "epoch", epoch)
+            return call
+
+        response = self._changing(operation, "Cancel", build)
         return self._decode(operation, lambda: codec.status_from_pb(response))
 
     def release(self, session_id: str) -> StructuredStatus:
         operation = f"release(session={session_id!r})"
-        response = self._call(operation, "Release", pb.ReleaseCall(engine_id=self.engine_id, session_id=session_id))
+
+        def build(with_metrics: bool) -> Any:
+            return pb.ReleaseCall(engine_id=self.engine_id, session_id=session_id, with_metrics=with_metrics)
+
+        response = self._changing(operation, "Release", build)
         return self._decode(operation, lambda: codec.status_from_pb(response))
 
     def health(self) -> HealthResult:
@@ -426,7 +567,9 @@ class RemoteShardEngine(ShardEngine):
         return self._decode("health()", lambda: codec.health_from_pb(response))
 
     def metrics(self) -> MetricsResult:
-        response = self._call("metrics()", "Metrics", self._ref)
+        response = self._order.take("Metrics")
+        if response is None:
+            response = self._call("metrics()", "Metrics", self._ref)
         return self._decode("metrics()", lambda: codec.metrics_from_pb(response))
 
     # --- FaultInjectable -------------------------------------------------------------------------
@@ -434,8 +577,11 @@ class RemoteShardEngine(ShardEngine):
     def inject_fault(self, fault: Fault) -> StructuredStatus:
         """Forwarded; the server's ``capabilities().supported_faults`` says which kinds it takes."""
         operation = f"inject_fault({fault.kind}, {fault.value:g})"
-        call = pb.InjectFaultCall(engine_id=self.engine_id, fault=codec.fault_to_pb(fault))
-        response = self._call(operation, "InjectFault", call)
+
+        def build(with_metrics: bool) -> Any:
+            return pb.InjectFaultCall(engine_id=self.engine_id, fault=codec.fault_to_pb(fault), with_metrics=with_metrics)
+
+        response = self._changing(operation, "InjectFault", build)
         return self._decode(operation, lambda: codec.status_from_pb(response))
 
 

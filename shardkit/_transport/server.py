@@ -99,17 +99,25 @@ class _Slot:
         self._turns = threading.Condition()
         self._running = 0
         self._alone = False  # the call running holds the engine alone
+        #: Calls begun so far: a turn's number, so that the very next call can be told.
+        self._begun = 0
+        #: An answer sent ahead that the engine failed to give (``_AnswerAhead``): (the turn
+        #: that ran it, its operation, what the next call gets instead of calling the engine).
+        self._failed_ahead: tuple[int, str, Callable[[], Any]] | None = None
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[None]:
-        """Hold the engine for one call: alone, unless it declared ``concurrent_calls``."""
+    def turn(self) -> Iterator[int]:
+        """Hold the engine for one call (the number of the turn): alone, unless it declared
+        ``concurrent_calls``."""
         with self._turns:
             alone = not self.concurrent
             self._turns.wait_for(lambda: self._running == 0 if alone else not self._alone)
             self._running += 1
             self._alone = alone
+            self._begun += 1
+            number = self._begun
         try:
-            yield
+            yield number
         finally:
             with self._turns:
                 self._running -= 1
@@ -121,6 +129,101 @@ class _Slot:
         concurrent = isinstance(capabilities, EngineCapabilities) and capabilities.concurrent_calls is True
         with self._turns:
             self.concurrent = concurrent
+
+    def only_call_running(self) -> bool:
+        with self._turns:
+            return self._running == 1
+
+    def keep_failed_ahead(self, turn: int, operation: str, replay: Callable[[], Any]) -> None:
+        with self._turns:
+            self._failed_ahead = (turn, operation, replay)
+
+    def take_failed_ahead(self, turn: int, operation: str) -> Callable[[], Any] | None:
+        """What ``operation`` failed with when sent ahead, if turn ``turn`` is the very next one
+        after it; any call drops it, so it never answers a later call."""
+        with self._turns:
+            kept, self._failed_ahead = self._failed_ahead, None
+        if kept is None or kept[0] != turn - 1 or kept[1] != operation:
+            return None
+        return kept[2]
+
+
+class _AnswerAhead:
+    """An operation run right after a call, in the same turn, whose answer travels with the
+    call's (``StepCall.with_metrics``, ``LoadCall.with_capabilities``): the client's next call,
+    that operation, then costs no round trip.
+
+    It runs only when the call is the only one running on the engine, so that its answer is
+    the one a call made right after would get. An answer the engine fails to give (it raised,
+    or returned something that cannot be sent) is not sent: the slot keeps it, and if the
+    client's next call is that operation it meets the same failure, reported (and fatal to a
+    worker) as usual; an engine never loses an exception to this shortcut."""
+
+    def __init__(
+        self,
+        operation: str,
+        run: Callable[[ShardEngine], Any],
+        encode: Callable[[Any], Any],
+        refused: Callable[[EngineError], Any] | None = None,
+        *,
+        declares: bool = False,
+    ) -> None:
+        self.operation = operation
+        self._run = run
+        self._encode = encode
+        self._refused = refused  # what an EngineError, a contract answer of capabilities(), is sent as
+        self._declares = declares
+        #: The answer to send along, once ``answer`` succeeded.
+        self.message: Any = None
+
+    def answer(self, slot: _Slot, turn: int) -> None:
+        if not slot.only_call_running():
+            return
+        try:
+            result = self._run(slot.engine)
+        except EngineError as refusal:
+            if self._refused is None:
+                slot.keep_failed_ahead(turn, self.operation, _raising(refusal))
+                return
+            self.message = self._refused(refusal)
+            return
+        except Exception as error:
+            slot.keep_failed_ahead(turn, self.operation, _raising(error))
+            return
+        if self._declares:
+            slot.declare(result)
+        try:
+            self.message = self._encode(result)
+        except Exception:
+            slot.keep_failed_ahead(turn, self.operation, lambda: result)
+
+
+def _raising(error: Exception) -> Callable[[], NoReturn]:
+    def replay() -> NoReturn:
+        raise error
+
+    return replay
+
+
+def _metrics_ahead(call: Any) -> _AnswerAhead | None:
+    """The engine's metrics right after ``call``, if it asks for them (``with_metrics``)."""
+    if not call.with_metrics:
+        return None
+    return _AnswerAhead("metrics", lambda engine: engine.metrics(), codec.metrics_to_pb)
+
+
+def _with_metrics(response: T, ahead: _AnswerAhead | None) -> T:
+    """``response`` (a StepResult or StructuredStatus) carrying the metrics answered ahead, if any."""
+    if ahead is not None and ahead.message is not None:
+        response.metrics.CopyFrom(ahead.message)  # type: ignore[attr-defined]
+    return response
+
+
+def _served_capabilities(engine: ShardEngine) -> Any:
+    caps = engine.capabilities()
+    # The client is always FaultInjectable; an engine that is not supports no fault
+    # natively, so the kit injects what it can at the client's boundary, as in-process.
+    return caps if isinstance(engine, FaultInjectable) else replace(caps, supported_faults=frozenset())
 
 
 def _abort(context: Any, code: Any, details: str) -> NoReturn:
@@ -187,6 +290,10 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         )
 
     def NewEngine(self, request: pb.NewEngineRequest, context: Any) -> pb.NewEngineResponse:
+        if request.close_engine_ids:
+            with self._lock:
+                for closed in request.close_engine_ids:
+                    self._engines.pop(closed, None)
         try:
             engine = self.target()
         except Exception as error:
@@ -201,7 +308,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                     self.evictions += 1
                     if len(self._evicted) > _EVICTED_REMEMBERED:
                         self._evicted.popitem(last=False)
-            return pb.NewEngineResponse(engine_id=engine_id, server_id=self.server_id)
+            return pb.NewEngineResponse(engine_id=engine_id, server_id=self.server_id, closed_engine_ids=True)
         self._report("NewEngine", failure)
         _abort(context, grpc.StatusCode.INTERNAL, f"building an engine failed: {_describe(failure)}")
 
@@ -214,21 +321,29 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
 
     def Load(self, call: pb.LoadCall, context: Any) -> pb.LoadResponse:
         request = self._decode(context, "Load", lambda: codec.load_request_from_pb(call.request))
+        ahead = None
+        if call.with_capabilities:
+            ahead = _AnswerAhead(
+                "capabilities",
+                _served_capabilities,
+                lambda caps: pb.CapabilitiesResponse(capabilities=codec.capabilities_to_pb(caps)),
+                lambda refusal: pb.CapabilitiesResponse(error=codec.status_to_pb(refusal.status)),
+                declares=True,
+            )
         try:
-            result = self._run(call.engine_id, context, "load", lambda engine: engine.load(request), EngineError)
+            result = self._run(
+                call.engine_id, context, "load", lambda engine: engine.load(request), EngineError, ahead=ahead
+            )
         except EngineError as refusal:
             return pb.LoadResponse(error=codec.status_to_pb(refusal.status))
-        return pb.LoadResponse(result=self._encode(context, "load", lambda: codec.load_result_to_pb(result)))
+        response = pb.LoadResponse(result=self._encode(context, "load", lambda: codec.load_result_to_pb(result)))
+        if ahead is not None and ahead.message is not None:
+            response.capabilities.CopyFrom(ahead.message)
+        return response
 
     def Capabilities(self, call: pb.EngineRef, context: Any) -> pb.CapabilitiesResponse:
-        def capabilities(engine: ShardEngine) -> Any:
-            caps = engine.capabilities()
-            # The client is always FaultInjectable; an engine that is not supports no fault
-            # natively, so the kit injects what it can at the client's boundary, as in-process.
-            return caps if isinstance(engine, FaultInjectable) else replace(caps, supported_faults=frozenset())
-
         try:
-            caps = self._run(call.engine_id, context, "capabilities", capabilities, EngineError, declares=True)
+            caps = self._run(call.engine_id, context, "capabilities", _served_capabilities, EngineError, declares=True)
         except EngineError as refusal:
             return pb.CapabilitiesResponse(error=codec.status_to_pb(refusal.status))
         encoded = self._encode(context, "capabilities", lambda: codec.capabilities_to_pb(caps))
@@ -236,22 +351,34 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
 
     def Prefill(self, call: pb.StepCall, context: Any) -> pb.StepResult:
         request = self._decode(context, "Prefill", lambda: codec.step_request_from_pb(call.request, PrefillRequest))
-        result = self._run(call.engine_id, context, "prefill", lambda engine: engine.prefill(request))
-        return self._encode(context, "prefill", lambda: codec.step_result_to_pb(result))
+        return self._step(call, context, "prefill", lambda engine: engine.prefill(request))
 
     def Decode(self, call: pb.StepCall, context: Any) -> pb.StepResult:
         request = self._decode(context, "Decode", lambda: codec.step_request_from_pb(call.request, DecodeRequest))
-        result = self._run(call.engine_id, context, "decode", lambda engine: engine.decode(request))
-        return self._encode(context, "decode", lambda: codec.step_result_to_pb(result))
+        return self._step(call, context, "decode", lambda engine: engine.decode(request))
+
+    def _step(
+        self, call: pb.StepCall, context: Any, operation: str, run: Callable[[ShardEngine], Any]
+    ) -> pb.StepResult:
+        """A prefill or decode, and its engine's metrics right after when the call asks for them."""
+        ahead = _metrics_ahead(call)
+        result = self._run(call.engine_id, context, operation, run, ahead=ahead)
+        return _with_metrics(self._encode(context, operation, lambda: codec.step_result_to_pb(result)), ahead)
 
     def Cancel(self, call: pb.CancelCall, context: Any) -> pb.StructuredStatus:
         epoch = self._decode(context, "Cancel", lambda: codec.get_counter(call, "epoch"))
-        status = self._run(call.engine_id, context, "cancel", lambda engine: engine.cancel(call.session_id, epoch))
-        return self._encode(context, "cancel", lambda: codec.status_to_pb(status))
+        ahead = _metrics_ahead(call)
+        status = self._run(
+            call.engine_id, context, "cancel", lambda engine: engine.cancel(call.session_id, epoch), ahead=ahead
+        )
+        return _with_metrics(self._encode(context, "cancel", lambda: codec.status_to_pb(status)), ahead)
 
     def Release(self, call: pb.ReleaseCall, context: Any) -> pb.StructuredStatus:
-        status = self._run(call.engine_id, context, "release", lambda engine: engine.release(call.session_id))
-        return self._encode(context, "release", lambda: codec.status_to_pb(status))
+        ahead = _metrics_ahead(call)
+        status = self._run(
+            call.engine_id, context, "release", lambda engine: engine.release(call.session_id), ahead=ahead
+        )
+        return _with_metrics(self._encode(context, "release", lambda: codec.status_to_pb(status)), ahead)
 
     def Health(self, call: pb.EngineRef, context: Any) -> pb.HealthResult:
         result = self._run(call.engine_id, context, "health", lambda engine: engine.health())
@@ -269,11 +396,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                 return None
             return engine.inject_fault(fault)
 
-        status = self._run(call.engine_id, context, "inject_fault", inject)
+        ahead = _metrics_ahead(call)
+        status = self._run(call.engine_id, context, "inject_fault", inject, ahead=ahead)
         if status is None:
             message = f"the engines of {self.target.name} do not implement inject_fault; they support no fault natively"
-            return pb.StructuredStatus(code=pb.STATUS_CODE_UNIMPLEMENTED, message=message)
-        return self._encode(context, "inject_fault", lambda: codec.status_to_pb(status))
+            return _with_metrics(pb.StructuredStatus(code=pb.STATUS_CODE_UNIMPLEMENTED, message=message), ahead)
+        return _with_metrics(self._encode(context, "inject_fault", lambda: codec.status_to_pb(status)), ahead)
 
     # --- plumbing ----------------------------------------------------------------------------------
 
@@ -303,10 +431,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         passes: type[BaseException] | None = None,
         *,
         declares: bool = False,
+        ahead: _AnswerAhead | None = None,
     ) -> T:
         """Run ``call`` on the engine in its turn (``_Slot.turn``); an exception (other than
         ``passes``) aborts with INTERNAL. ``declares``: the answer is the engine's capabilities,
-        which say, before the turn ends, whether its next calls may overlap."""
+        which say, before the turn ends, whether its next calls may overlap. ``ahead``: an
+        operation to answer in the same turn once ``call`` returned (``_AnswerAhead``)."""
         with self._lock:
             slot = self._engines.get(engine_id)
             if slot is not None:
@@ -323,9 +453,10 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         if slot is None:
             details = f"no engine {engine_id} on this server (closed, or the server restarted); call NewEngine"
             _abort(context, grpc.StatusCode.NOT_FOUND, details)
-        with slot.turn():
+        with slot.turn() as turn:
+            failed_ahead = slot.take_failed_ahead(turn, operation)
             try:
-                result = call(slot.engine)
+                result = call(slot.engine) if failed_ahead is None else failed_ahead()
             except Exception as error:
                 if passes is not None and isinstance(error, passes):
                     raise
@@ -333,6 +464,8 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
             else:
                 if declares:
                     slot.declare(result)
+                if ahead is not None:
+                    ahead.answer(slot, turn)
                 return result
         self._report(f"engine {engine_id}: {operation}", failure)
         self._die_if_fatal(failure)

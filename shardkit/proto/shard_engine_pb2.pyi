@@ -63,16 +63,20 @@ class HandshakeResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[str] = ..., server: _Optional[str] = ..., target: _Optional[str] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class NewEngineRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("close_engine_ids",)
+    CLOSE_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    close_engine_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, close_engine_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "server_id")
+    __slots__ = ("engine_id", "server_id", "closed_engine_ids")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     server_id: str
-    def __init__(self, engine_id: _Optional[int] = ..., server_id: _Optional[str] = ...) -> None: ...
+    closed_engine_ids: bool
+    def __init__(self, engine_id: _Optional[int] = ..., server_id: _Optional[str] = ..., closed_engine_ids: bool = ...) -> None: ...
 
 class EngineRef(_message.Message):
     __slots__ = ("engine_id",)
@@ -87,14 +91,16 @@ class CloseEngineResponse(_message.Message):
     def __init__(self, closed: bool = ...) -> None: ...
 
 class StructuredStatus(_message.Message):
-    __slots__ = ("code", "message", "retryable")
+    __slots__ = ("code", "message", "retryable", "metrics")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     code: StatusCode
     message: str
     retryable: bool
-    def __init__(self, code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ..., retryable: bool = ...) -> None: ...
+    metrics: MetricsResult
+    def __init__(self, code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ..., retryable: bool = ..., metrics: _Optional[_Union[MetricsResult, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model_id", "shard_start", "shard_end", "total_layers", "recipe_json")
@@ -215,16 +221,18 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_decimal: _Optional[str] = ..., step: _Optional[int] = ..., step_decimal: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., bundle: _Optional[_Union[BoundaryBundle, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("status", "cache", "bundle", "token")
+    __slots__ = ("status", "cache", "bundle", "token", "metrics")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     status: StructuredStatus
     cache: CacheResult
     bundle: BoundaryBundle
     token: TokenOutput
-    def __init__(self, status: _Optional[_Union[StructuredStatus, _Mapping]] = ..., cache: _Optional[_Union[CacheResult, str]] = ..., bundle: _Optional[_Union[BoundaryBundle, _Mapping]] = ..., token: _Optional[_Union[TokenOutput, _Mapping]] = ...) -> None: ...
+    metrics: MetricsResult
+    def __init__(self, status: _Optional[_Union[StructuredStatus, _Mapping]] = ..., cache: _Optional[_Union[CacheResult, str]] = ..., bundle: _Optional[_Union[BoundaryBundle, _Mapping]] = ..., token: _Optional[_Union[TokenOutput, _Mapping]] = ..., metrics: _Optional[_Union[MetricsResult, _Mapping]] = ...) -> None: ...
 
 class HealthResult(_message.Message):
     __slots__ = ("status", "serving")
@@ -255,20 +263,24 @@ class Fault(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
 
 class LoadCall(_message.Message):
-    __slots__ = ("engine_id", "request")
+    __slots__ = ("engine_id", "request", "with_capabilities")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    WITH_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     request: LoadRequest
-    def __init__(self, engine_id: _Optional[int] = ..., request: _Optional[_Union[LoadRequest, _Mapping]] = ...) -> None: ...
+    with_capabilities: bool
+    def __init__(self, engine_id: _Optional[int] = ..., request: _Optional[_Union[LoadRequest, _Mapping]] = ..., with_capabilities: bool = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("result", "error")
+    __slots__ = ("result", "error", "capabilities")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     result: LoadResult
     error: StructuredStatus
-    def __init__(self, result: _Optional[_Union[LoadResult, _Mapping]] = ..., error: _Optional[_Union[StructuredStatus, _Mapping]] = ...) -> None: ...
+    capabilities: CapabilitiesResponse
+    def __init__(self, result: _Optional[_Union[LoadResult, _Mapping]] = ..., error: _Optional[_Union[StructuredStatus, _Mapping]] = ..., capabilities: _Optional[_Union[CapabilitiesResponse, _Mapping]] = ...) -> None: ...
 
 class CapabilitiesResponse(_message.Message):
     __slots__ = ("capabilities", "error")
@@ -279,37 +291,45 @@ class CapabilitiesResponse(_message.Message):
     def __init__(self, capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., error: _Optional[_Union[StructuredStatus, _Mapping]] = ...) -> None: ...
 
 class StepCall(_message.Message):
-    __slots__ = ("engine_id", "request")
+    __slots__ = ("engine_id", "request", "with_metrics")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    WITH_METRICS_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     request: StepRequest
-    def __init__(self, engine_id: _Optional[int] = ..., request: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+    with_metrics: bool
+    def __init__(self, engine_id: _Optional[int] = ..., request: _Optional[_Union[StepRequest, _Mapping]] = ..., with_metrics: bool = ...) -> None: ...
 
 class CancelCall(_message.Message):
-    __slots__ = ("engine_id", "session_id", "epoch", "epoch_decimal")
+    __slots__ = ("engine_id", "session_id", "epoch", "epoch_decimal", "with_metrics")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_DECIMAL_FIELD_NUMBER: _ClassVar[int]
+    WITH_METRICS_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     session_id: str
     epoch: int
     epoch_decimal: str
-    def __init__(self, engine_id: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_decimal: _Optional[str] = ...) -> None: ...
+    with_metrics: bool
+    def __init__(self, engine_id: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_decimal: _Optional[str] = ..., with_metrics: bool = ...) -> None: ...
 
 class ReleaseCall(_message.Message):
-    __slots__ = ("engine_id", "session_id")
+    __slots__ = ("engine_id", "session_id", "with_metrics")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WITH_METRICS_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     session_id: str
-    def __init__(self, engine_id: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    with_metrics: bool
+    def __init__(self, engine_id: _Optional[int] = ..., session_id: _Optional[str] = ..., with_metrics: bool = ...) -> None: ...
 
 class InjectFaultCall(_message.Message):
-    __slots__ = ("engine_id", "fault")
+    __slots__ = ("engine_id", "fault", "with_metrics")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    WITH_METRICS_FIELD_NUMBER: _ClassVar[int]
     engine_id: int
     fault: Fault
-    def __init__(self, engine_id: _Optional[int] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ...) -> None: ...
+    with_metrics: bool
+    def __init__(self, engine_id: _Optional[int] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ..., with_metrics: bool = ...) -> None: ...
