@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
-from shardkit._core.checks import HistoryMemo, Payload, metrics_text
+from shardkit._core.checks import HistoryMemo, MemoStore, Payload, metrics_text
 from shardkit._core.fault_steps import FaultSteps, fault_injectable, usable_faults
 from shardkit._core.faults import FaultInjectingEngine
 from shardkit._core.model import Prediction, ReferenceModel
@@ -89,6 +89,7 @@ class Driver(FaultSteps):
         model_factory: Callable[[], ReferenceModel] = ReferenceModel,
         custom_ops: Mapping[str, CustomOp] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        memo: MemoStore | None = None,
     ) -> None:
         self.target = target
         self.load_request = load_request
@@ -103,7 +104,9 @@ class Driver(FaultSteps):
         self.model_factory = model_factory
         self.custom_ops: Mapping[str, CustomOp] = custom_ops or {}
         self.sleep = sleep
-        self.memo = HistoryMemo()
+        #: The twins' answers, in a store the examples of a run may share (``memo``).
+        # The scope is the request's text: its recipe is a read-only mapping, which does not hash.
+        self.memo = HistoryMemo(memo if memo is not None else MemoStore(), scope=repr(load_request))
         self.served: dict[tuple[int, ...], tuple[str, Payload]] = {}
         self.split_twins = True
         self.records: list[StepRecord] = []
@@ -127,6 +130,7 @@ class Driver(FaultSteps):
             model_factory=self.model_factory,
             custom_ops=self.custom_ops,
             sleep=self.sleep,
+            memo=self.memo.store,
         )
 
     # --- engine lifecycle ------------------------------------------------------------

@@ -26,6 +26,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 from hypothesis.strategies import SearchStrategy
 
+from shardkit._core.checks import MemoStore
 from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
 from shardkit._core.model import ReferenceModel, SessionState
 from shardkit._core.outcomes import CRASHED
@@ -101,6 +102,7 @@ STEP_DELTAS = (1, 2, -2, 2**62)
 #: cancel (a restart that keeps the flag, a cancel that frees another session) went unseen.
 CANCEL_EPOCHS = (0, 0, 0, 0, 0, -1, 1, None)
 DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -334,6 +336,10 @@ class ShardMachine(RuleBasedStateMachine):
     #: Kinds of ``--faults all`` the engine cannot take, each with why (the summary says so).
     skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
     use_twins: ClassVar[bool] = True
+    #: Set on first use by each class itself (``_oracle_memo``), never inherited.
+    _oracle_memo_store: ClassVar[MemoStore]
+    #: Whether an example of this class has failed (set on the class itself).
+    _failed: ClassVar[bool] = False
     reference: ClassVar[ResolvedTarget | None] = None
     model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel
     #: Operations a backend adds; subclasses list them here (see CustomOp).
@@ -370,6 +376,20 @@ class ShardMachine(RuleBasedStateMachine):
         cls.setup.values()
         return cls
 
+    @classmethod
+    def _oracle_memo(cls) -> MemoStore:
+        """The twins' answers, shared by the examples of this machine class (a run's, or a
+        suite's) until one fails: an example need not ask twins again what an earlier one
+        asked them. From the first failure on, each example has a memo of its own, as it
+        has on replay: Hypothesis then shrinks, and an engine whose twins' answers depend on
+        what they served before (the bugs the twins catch by disagreeing among themselves)
+        must fail or pass the same whatever example ran before."""
+        store = cls.__dict__.get("_oracle_memo_store")
+        if store is None or cls.__dict__.get("_failed"):
+            store = MemoStore()
+            cls._oracle_memo_store = store
+        return store
+
     @property
     def stats(self) -> RunObserver:
         """The observer this example reports to."""
@@ -398,6 +418,7 @@ class ShardMachine(RuleBasedStateMachine):
             reference=self.reference,
             model_factory=type(self).model_factory,
             custom_ops=self.custom_ops,
+            memo=self._oracle_memo(),
         )
         #: The prefills and decodes this example's engines served or died on, by session id,
         #: oldest first, kept across releases, restarts and crashes (the driver's logs start
@@ -435,7 +456,6 @@ class ShardMachine(RuleBasedStateMachine):
         """The model's sessions, by id, oldest first: a read-only view for rules to read
         (their state changes only through steps)."""
         return MappingProxyType(self.driver.model.sessions)
-
 
     def _count_caveats(self, stats: RunObserver) -> None:
         """Count each check the driver could not make once per example, as soon as it knows:
@@ -521,6 +541,7 @@ class ShardMachine(RuleBasedStateMachine):
 
     def _report_failure(self, failure: StepFailed, operation: str) -> None:
         """Count the failing step and keep the example's report (``stats.failure``)."""
+        type(self)._failed = True  # no more sharing of the twins' answers (``_oracle_memo``)
         stats = self.stats
         self._count_caveats(stats)
         if stats.only_property is not None and failure.violation.property != stats.only_property:
