@@ -21,6 +21,7 @@ from shardkit._cli import bench
 from shardkit._cli.commands import bench_settings
 from shardkit._cli.main import main
 from shardkit._cli.parser import build_parser
+from shardkit._planted import PLANTED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANTED_FILE = REPO_ROOT / "tests" / "planted" / "__init__.py"
@@ -405,17 +406,17 @@ def test_fuzz_prints_nothing_on_stderr_without_a_terminal(capsys: pytest.Capture
 
 
 @pytest.fixture(scope="module")
-def bench_json_without_planted() -> str:
-    """What ``shardkit bench --quick --json --planted none`` prints: every other section
-    measured, at ``--quick``'s sizes, once for the tests that read it."""
+def bench_json_quick() -> str:
+    """What ``shardkit bench --quick --json`` prints (CI's check that the bench runs): every
+    section measured at ``--quick``'s sizes, once for the tests that read it."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["bench", "--quick", "--json", "--planted", "none"]) == 0
+        assert main(["bench", "--quick", "--json"]) == 0
     return printed.getvalue()
 
 
-def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_without_planted: str) -> None:
-    figures = json.loads(bench_json_without_planted)
+def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_quick: str) -> None:
+    figures = json.loads(bench_json_quick)
     assert {"kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "per_role", "planted", "peak_rss_mb"} <= set(
         figures
     )
@@ -430,8 +431,9 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_wit
         assert row["throughput_ratio"] == pytest.approx(statistics.median(ratios), abs=0.001)
         assert (row["throughput_ratio_min"], row["throughput_ratio_max"]) == (ratios[0], ratios[-1])
         assert row["cpu_ratio"] > 0
-    assert figures["planted"].startswith("skipped")
-    # Every other section was measured, each timed.
+    assert [row["engine"] for row in figures["planted"]] == [engine.__name__ for engine in PLANTED[:3]]
+    assert all(len(row["runs"]) == 1 for row in figures["planted"])
+    # Every section was measured, each timed.
     assert set(figures["section_seconds"]) == set(bench.SECTIONS)
     for row in figures["out_of_process"].values():
         assert len(row["steps_per_s_by_round"]) == 2
@@ -444,11 +446,11 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_wit
     assert memory["steps"] == 10
 
 
-def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_planted: str) -> None:
+def test_bench_tables_show_every_section_the_bench_measured(bench_json_quick: str) -> None:
     """The tables ``shardkit bench`` prints without ``--json`` are ``render`` of these figures:
     each measured section comes out as its table, none as "not measured" (the planted table's
     own test, below, measures the planted section alone)."""
-    table = bench.render(json.loads(bench_json_without_planted))
+    table = bench.render(json.loads(bench_json_quick))
     assert (
         "throughput, 10 examples × 10 steps, seed 1 (fake engine, faults on; kit and bare interleaved, medians of 2 rounds):"
         in table
@@ -466,7 +468,7 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_p
         table,
         re.MULTILINE,
     ), table
-    assert "planted bugs: skipped (--planted none)" in table
+    assert "planted bugs at 1 seed (shrunk length at each seed" in table
     assert "concurrency (fake, faults on): steps/s by lanes: " in table
     assert re.search(
         r"^memory \(fake, 10 steps an example, a fresh process each\): peak RSS [\d.]+ MB at 10 examples, [\d.]+ MB at 50 examples; ratio [\d.]+$",
@@ -474,9 +476,15 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_without_p
         re.MULTILINE,
     ), table
     assert re.search(
-        r"^peak RSS [\d.]+ MB; bench took [\d.]+ s \(throughput [\d.]+ s, engines ", table, re.MULTILINE
+        r"^peak RSS [\d.]+ MB; bench took [\d.]+ s \(throughput [\d.]+ s, profile [\d.]+ s, engines ", table, re.MULTILINE
     ), table
     assert bench.NOT_MEASURED not in table
+
+
+def test_bench_planted_none_skips_the_planted_engines() -> None:
+    figures = bench.run_bench(bench.BenchSettings(planted_module=None), sections=("planted",))
+    assert figures["planted"] == "skipped (--planted none)"
+    assert "planted bugs: skipped (--planted none)" in bench.render(figures)
 
 
 def test_bench_profile_splits_a_kit_run_into_the_kits_components() -> None:
