@@ -25,6 +25,9 @@ the kit and reported as a finding or as one of the errors here.
   checks' outcomes, reported as a skipped check or a ``ContractViolation``.
 - ``ShrinkBudgetSpent`` (``shardkit._machine.hypothesis_adapter``): a ``BaseException``
   raised through Hypothesis to stop its shrinker on a count; the runner catches it.
+- ``ForkUnavailable`` (``shardkit._transport.forkserver``): the process that forks
+  ``--isolate``'s workers cannot give one; the worker pool catches it and starts a fresh
+  interpreter instead.
 - ``_Budget`` (``shardkit._parallel.linearize``): the search for an order that explains a
   parallel phase visited its counted number of states; the search catches it and answers
   "unknown", which is never reported as a failure.

@@ -42,8 +42,9 @@ TRANSPORT_LAYERS = {
     "client": {"codec"},
     "resolve": {"client", "codec"},
     "server": {"resolve", "client", "codec"},
-    "worker": {"client", "codec"},
-    "isolation": {"resolve", "worker", "client", "codec"},
+    "forkserver": set(),
+    "worker": {"client", "codec", "forkserver"},
+    "isolation": {"resolve", "worker", "client", "codec", "forkserver"},
 }
 
 #: The semantics and the public modules the transport rests on.

@@ -9,6 +9,7 @@ and replayed, while this process survives and no worker outlives its run.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,7 @@ from shardkit._run.replay import load_trace, replay
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from shardkit._transport.isolation import isolated_target, target_with_options
-from shardkit.errors import InvalidTarget, RemoteProtocolError, ShardkitError
+from shardkit.errors import InvalidTarget, RemoteEngineError, RemoteProtocolError, ShardkitError
 from tests.planted.dying import DYING, DyingEngine
 
 pytest.importorskip("grpc")
@@ -37,8 +38,11 @@ SEED = 3
 
 
 def worker_children() -> set[int]:
-    """This process's children that are shardkit workers, alive (zombies excluded)."""
-    found = set()
+    """This process's descendants that are shardkit workers, alive (zombies excluded): the
+    workers, and the fork server and waiters they are forked from (its command line, which
+    they share, is ``shardkit serve TARGET --worker --fork-server FD``)."""
+    parents: dict[int, int] = {}
+    workers = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -49,9 +53,22 @@ def worker_children() -> set[int]:
             continue
         fields = stat.rpartition(")")[2].split()
         state, parent = fields[0], int(fields[1])
-        if parent == os.getpid() and state != "Z" and b"serve" in command and b"--worker" in command:
-            found.add(int(entry.name))
+        parents[int(entry.name)] = parent
+        if state != "Z" and b"serve" in command and b"--worker" in command:
+            workers.add(int(entry.name))
+    return {pid for pid in workers if os.getpid() in ancestors(pid, parents)}
+
+
+def ancestors(pid: int, parents: dict[int, int]) -> set[int]:
+    found: set[int] = set()
+    while pid in parents and parents[pid] not in found:
+        pid = parents[pid]
+        found.add(pid)
     return found
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
 DYING_BUDGETS = replace(DEFAULT_BUDGETS, shrink_examples=100)
@@ -178,6 +195,7 @@ def test_a_worker_dying_in_load_is_a_clear_error() -> None:
     try:
         with pytest.raises(ShardkitError, match=r"engine process of .*ExitsOnLoad exited with code 4 while loading"):
             Driver(target, LoadRequest("m", 0, 3, 4))
+        assert target.isolation.workers_forked == target.isolation.workers_started == 1  # type: ignore[union-attr]
     finally:
         target.isolation.close()  # type: ignore[union-attr]
 
@@ -214,7 +232,7 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
             from shardkit._transport.isolation import isolated_target
             target = isolated_target("shardkit:FakeShardEngine")
             target()
-            print(target.isolation.pids[0], flush=True)
+            print(target.isolation.pids[0], target.isolation.fork_server_pid, flush=True)
             os._exit(0)  # no close, no atexit: as if the kit were killed
             """
         )
@@ -227,11 +245,12 @@ def test_a_worker_ends_when_the_kit_dies_without_closing_it(tmp_path: Path, repo
         env={**os.environ, "PYTHONPATH": str(repo_root)},
         timeout=60,
     )
-    worker = int(kit.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{worker}").exists(), f"worker {worker} outlived its kit"
+    worker, fork_server = (int(pid) for pid in kit.stdout.split()[:2])
+    for pid in (worker, fork_server):
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists(), f"process {pid} (worker {worker}, fork server {fork_server}) outlived its kit"
 
 
 def test_a_worker_that_cannot_start_is_a_clear_error_and_is_not_left_behind() -> None:
@@ -283,3 +302,125 @@ def test_isolation_usage_errors_exit_2_with_one_line(
     error = capsys.readouterr().err
     assert fragment in error
     assert error.count("\n") == 1
+
+
+# --- the fork server ---------------------------------------------------------------------------------------
+
+COUNTING_TARGET = '''
+import os
+
+from shardkit import FakeShardEngine
+
+BUILT = []
+
+
+def make_engine():
+    """Counts the engines built in this process, in a file beside this one."""
+    BUILT.append(1)
+    with open(os.path.join(os.path.dirname(__file__), "built.txt"), "a") as log:
+        log.write(f"{os.getpid()} {len(BUILT)}\\n")
+    return FakeShardEngine()
+'''
+
+
+def test_workers_are_forked_from_one_fork_server_that_never_builds_an_engine(tmp_path: Path) -> None:
+    """25 workers in a row, each killed after one engine: all forked from one zygote, each serving
+    gRPC, each starting from the module state the import made (its first engine is its first)."""
+    (tmp_path / "counting.py").write_text(COUNTING_TARGET)
+    target = isolated_target(f"{tmp_path / 'counting.py'}:make_engine")
+    pool = target.isolation
+    assert pool is not None
+    assert tmp_path / "built.txt" not in tmp_path.iterdir()  # resolving the target built nothing
+    try:
+        served = []
+        for _ in range(25):
+            target().load(LoadRequest("m", 0, 3, 4))
+            worker = pool.pids[0]
+            served.append(worker)
+            zygote = pool.fork_server_pid
+            assert zygote is not None
+            assert parent_of(parent_of(worker)) == zygote  # the zygote forked its waiter, which forked it
+            assert os.getsid(worker) == worker != os.getsid(0)  # its own session: a Ctrl-C of the kit misses it
+            pool.kill()
+        assert pool.fork_note is None
+        assert pool.fork_server_pid == zygote
+        assert pool.workers_forked == pool.workers_started >= 25
+        builds = [tuple(int(field) for field in line.split()) for line in (tmp_path / "built.txt").read_text().splitlines()]
+        assert sorted(builds) == sorted((worker, 1) for worker in served)
+    finally:
+        pool.close()
+    assert pool.fork_server_pid is None
+
+
+def test_a_forked_workers_end_is_read_from_its_waiter_even_after_the_fork_server_died() -> None:
+    """The zygote killed: its worker still serves, its death is still named, and the next
+    workers start as fresh interpreters, with a note saying why."""
+    before = worker_children()
+    target = isolated_target("shardkit:FakeShardEngine")
+    pool = target.isolation
+    assert pool is not None
+    try:
+        engine = target()
+        engine.load(LoadRequest("m", 0, 3, 4))
+        forked, zygote = pool.pids[0], pool.fork_server_pid
+        assert zygote is not None
+        os.kill(zygote, signal.SIGKILL)
+        engine.health()  # the worker outlives the zygote
+        os.kill(forked, signal.SIGABRT)
+        _wait_until_gone(forked)  # a signal is delivered when the process next runs: a call may beat it
+        with pytest.raises(RemoteEngineError) as raised:
+            engine.health()
+        death = pool.death(raised.value)
+        assert death is not None
+        assert death.property == "process killed by SIGABRT", death
+        target().load(LoadRequest("m", 0, 3, 4))
+        fresh = pool.pids[0]
+        assert parent_of(fresh) == os.getpid()  # a fresh interpreter, the kit's own child
+        assert pool.fork_note is not None
+        assert "fresh interpreters: the fork server was killed by SIGKILL" in pool.fork_note
+        assert pool.workers_forked == 1
+        assert pool.workers_started >= 2
+    finally:
+        pool.close()
+    assert worker_children() - before == set()
+
+
+def _wait_until_gone(pid: int) -> None:
+    """Until ``pid`` has ended (a zombie or reaped); an error after a minute."""
+    status = Path(f"/proc/{pid}/status")
+    for _ in range(6000):
+        try:
+            if "\nState:\tZ" in status.read_text():
+                return
+        except OSError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still runs a minute after it was killed")
+
+
+THREADED_TARGET = '''
+import threading
+import time
+
+from shardkit import FakeShardEngine
+
+threading.Thread(target=time.sleep, args=(30,), name="target-poller", daemon=True).start()
+make_engine = FakeShardEngine
+'''
+
+
+def test_a_target_whose_import_starts_a_thread_gets_fresh_interpreters(tmp_path: Path) -> None:
+    """A forked worker would lack the thread: the zygote refuses to fork, and says so."""
+    (tmp_path / "threaded.py").write_text(THREADED_TARGET)
+    target = isolated_target(f"{tmp_path / 'threaded.py'}:make_engine")
+    pool = target.isolation
+    assert pool is not None
+    try:
+        target().load(LoadRequest("m", 0, 3, 4))
+        assert pool.workers_forked == 0
+        assert pool.fork_note is not None
+        assert "importing the target started Python threads (target-poller)" in pool.fork_note
+        assert pool.fork_server_pid is None
+        assert parent_of(pool.pids[0]) == os.getpid()
+    finally:
+        pool.close()

@@ -1,17 +1,27 @@
 """Worker processes for isolated engines (``shardkit fuzz --isolate``).
 
-A ``WorkerPool`` keeps one child ``shardkit serve TARGET --worker`` process serving
-the engines of one target over a Unix socket; every engine the kit builds from the
-target (the engine under test, its twins, restarts) is a ``RemoteShardEngine`` on
-that child. In worker mode the child ends itself when an engine raises (exit 70,
-71 for ``MemoryError``), as a native engine's process would die, and ends when its
-stdin closes, so a kit killed outright leaves no worker behind.
+A ``WorkerPool`` keeps one child process serving the engines of one target over a Unix
+socket, as ``shardkit serve TARGET --worker`` does; every engine the kit builds from the
+target (the engine under test, its twins, restarts) is a ``RemoteShardEngine`` on that
+child. In worker mode the child ends itself when an engine raises (exit 70, 71 for
+``MemoryError``), as a native engine's process would die, and ends when its stdin closes,
+so a kit killed outright leaves no worker behind.
+
+Where workers come from. Each pool starts one fresh interpreter, the fork server's
+*zygote* (``forkserver.py``), that imports shardkit, gRPC and the target once and forks
+a worker in milliseconds whenever the pool needs one: after an injected crash, a native
+death, a missed deadline. A forked worker starts from the module state importing the
+target made (the zygote never builds an engine nor starts gRPC), serves through the same
+code as a fresh ``shardkit serve --worker`` process and dies the same ways. If the zygote
+cannot fork (it died, or importing the target started threads a fork would not copy),
+the pool starts each worker as a fresh interpreter instead, as it always did, and says
+why in ``fork_note``.
 
 When a call fails, ``death`` finds out how the child ended: a signal or an exit
-code, read from the process itself, or a missed deadline or a garbage answer, after
-which the child is killed since it can no longer be trusted. The next engine comes
-from a fresh child; after the first death a spare child is kept starting in the
-background, so shrinking (where most runs end in a death) does not wait for one.
+code, read from the process itself (for a forked worker, as its waiter reports it), or a
+missed deadline or a garbage answer, after which the child is killed since it can no
+longer be trusted. The next engine comes from a new worker; after the first death a
+spare one is kept ready, so shrinking (where most runs end in a death) does not wait.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from pathlib import Path
 from shardkit._core.targets import IsolationOptions, ProcessDeath
 from shardkit._transport.client import RemoteShardEngine, close_connection
 from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
+from shardkit._transport.forkserver import ForkedProcess, ForkServer, ForkUnavailable
 from shardkit.contract import ShardEngine
 from shardkit.errors import (
     InvalidTarget,
@@ -47,6 +58,8 @@ __all__ = ["WorkerPool", "live_worker_pids", "watch_parent"]
 START_SECONDS = 60.0
 #: How long a worker whose connection broke gets to finish dying before it is killed.
 EXIT_GRACE_SECONDS = 3.0
+#: How long a killed worker's end may take to be seen (SIGKILL cannot be refused: it is quick).
+_KILLED_SECONDS = 10.0
 TAIL_LINES = 8
 #: How long a hung worker gets to print its threads' stacks before it is killed.
 _DUMP_SECONDS = 1.0
@@ -56,29 +69,14 @@ _MEMORY_SIGNS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "out of m
 
 
 class _Worker:
-    """One child process serving on ``url``, its output kept in ``log_path``."""
+    """One child process serving on ``url``, its output kept in ``log_path``: forked from the
+    pool's zygote (``ForkedProcess``) or a fresh interpreter (``Popen``)."""
 
-    def __init__(self, number: int, target: str, options: IsolationOptions, folder: Path) -> None:
-        socket = folder / f"worker-{number}.sock"
-        self.url = f"unix:{socket}"
-        self.log_path = folder / f"worker-{number}.log"
+    def __init__(self, url: str, log_path: Path, process: subprocess.Popen[bytes] | ForkedProcess) -> None:
+        self.url = url
+        self.log_path = log_path
+        self.process = process
         self.death: ProcessDeath | None = None
-        command = [sys.executable, "-m", "shardkit", "serve", target, "--listen", self.url, "--worker"]
-        if options.worker_memory_mb is not None:
-            command += ["--worker-memory", str(options.worker_memory_mb)]
-        # The child imports the target by name: let it see what this process sees.
-        paths = [path or os.getcwd() for path in sys.path if isinstance(path, str)]
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        with self.log_path.open("wb") as log:
-            # Its own session: a Ctrl-C meant for the kit must not kill the worker mid-step.
-            self.process = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environment,
-                start_new_session=True,
-            )
 
     @property
     def pid(self) -> int:
@@ -110,11 +108,14 @@ class _Worker:
             code = self.process.wait(grace)
         except subprocess.TimeoutExpired:
             return None
-        self._close_stdin()
+        self._release()
         return code
 
-    def _close_stdin(self) -> None:
-        if self.process.stdin is not None:
+    def _release(self) -> None:
+        """Drop what the kit holds of the ended process: a fresh one's stdin, a forked one's pidfd."""
+        if isinstance(self.process, ForkedProcess):
+            self.process.release()
+        elif self.process.stdin is not None:
             with contextlib.suppress(OSError):
                 self.process.stdin.close()
 
@@ -122,7 +123,7 @@ class _Worker:
         """Have the worker print where each of its threads is (faulthandler, on SIGUSR1)."""
         size = self.log_path.stat().st_size
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGUSR1)
+            self.process.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + _DUMP_SECONDS
         while time.monotonic() < deadline and self.log_path.stat().st_size == size:
             time.sleep(0.01)
@@ -131,8 +132,9 @@ class _Worker:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
-        self.process.wait()
-        self._close_stdin()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(_KILLED_SECONDS)
+        self._release()
         close_connection(self.url)
 
     def tail(self) -> tuple[str, ...]:
@@ -168,14 +170,32 @@ class WorkerPool:
         self._deaths = 0
         self._lock = threading.RLock()
         self._closed = False
+        #: Forks this pool's workers; started with the first worker.
+        self._fork_server: ForkServer | None = None
+        #: Why this pool's workers start as fresh interpreters rather than forked (None: forked).
+        self.fork_note: str | None = None
+        self._forked = 0
         _OPEN_POOLS.add(self)
 
     def __repr__(self) -> str:
-        return f"WorkerPool({self.target!r}, {self.options})"
+        note = f"; {self.fork_note}" if self.fork_note is not None else ""
+        return f"WorkerPool({self.target!r}, {self.options}{note})"
 
     @property
     def workers_started(self) -> int:
         return len(self._by_url)
+
+    @property
+    def workers_forked(self) -> int:
+        """Of ``workers_started``, those forked from the zygote (the others are fresh interpreters)."""
+        return self._forked
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The zygote's process while it runs, else None."""
+        with self._lock:
+            server = self._fork_server
+            return server.pid if server is not None and server.process.poll() is None else None
 
     @property
     def pids(self) -> list[int]:
@@ -209,16 +229,78 @@ class WorkerPool:
                 self._forget_files(current)
             worker, self._spare = self._spare or self._start(), None
             self._current = worker
-            worker.wait_ready(self.target)
+            try:
+                worker.wait_ready(self.target)
+            except InvalidTarget:
+                # No worker of this target serves (a --worker-memory too low, say): leave no process behind.
+                self._stop_every_process()
+                raise
             if self._deaths:
                 # Workers die often from here on (shrinking ends most runs in a death).
                 self._spare = self._start()
             return worker
 
     def _start(self) -> _Worker:
-        worker = _Worker(next(self._numbers), self.target, self.options, self._folder)
-        self._by_url[worker.url] = worker
+        number = next(self._numbers)
+        url = f"unix:{self._folder / f'worker-{number}.sock'}"
+        log_path = self._folder / f"worker-{number}.log"
+        log_path.write_bytes(b"")  # read (wait_ready, tail) before the worker writes a line
+        process = self._fork(number, url, log_path) or self._spawn(url, log_path)
+        worker = _Worker(url, log_path, process)
+        self._by_url[url] = worker
         return worker
+
+    def _command(self) -> list[str]:
+        command = [sys.executable, "-m", "shardkit", "serve", self.target, "--worker"]
+        if self.options.worker_memory_mb is not None:
+            command += ["--worker-memory", str(self.options.worker_memory_mb)]
+        return command
+
+    def _environment(self) -> dict[str, str]:
+        # The child imports the target by name: let it see what this process sees.
+        paths = [path or os.getcwd() for path in sys.path if isinstance(path, str)]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+    def _fork(self, number: int, url: str, log_path: Path) -> ForkedProcess | None:
+        """A worker forked from the zygote (started first if need be), or None when it cannot give one."""
+        if self.fork_note is not None:
+            return None
+        try:
+            if self._fork_server is None:
+                log = self._folder / "fork-server.log"
+                self._fork_server = ForkServer(self._command(), log, self._environment())
+                self._fork_server.wait_ready(START_SECONDS)
+            process = self._fork_server.fork(number, url, log_path)
+        except (ForkUnavailable, OSError) as error:  # OSError: the zygote's process could not start
+            # Its workers still running keep their stdin and their waiters: only the forking ends.
+            if self._fork_server is not None:
+                self._fork_server.stop_forking()
+            self.fork_note = f"workers start as fresh interpreters: {error}"
+            return None
+        self._forked += 1
+        return process
+
+    def _spawn(self, url: str, log_path: Path) -> subprocess.Popen[bytes]:
+        """A worker in a fresh interpreter (``shardkit serve TARGET --worker --listen URL``)."""
+        with log_path.open("wb") as log:
+            # Its own session: a Ctrl-C meant for the kit must not kill the worker mid-step.
+            return subprocess.Popen(
+                [*self._command(), "--listen", url],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._environment(),
+                start_new_session=True,
+            )
+
+    def _stop_every_process(self) -> None:
+        """Kill every worker and end the zygote; a later engine starts them again."""
+        for worker in self._by_url.values():
+            worker.kill()  # a dead worker is only reaped and released
+        self._current = self._spare = None
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
 
     def _forget_files(self, worker: _Worker) -> None:
         # The log is kept until the pool closes: a death's tail may still be read.
@@ -286,9 +368,7 @@ class WorkerPool:
             if self._closed:
                 return
             self._closed = True
-            for worker in self._by_url.values():
-                worker.kill()  # a dead worker is only reaped and its pipe closed
-            self._current = self._spare = None
+            self._stop_every_process()
         shutil.rmtree(self._folder, ignore_errors=True)
         _OPEN_POOLS.discard(self)
 
