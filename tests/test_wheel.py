@@ -65,23 +65,8 @@ def test_bench_runs_from_an_installed_wheel_with_every_planted_engine_and_no_noi
     installed: Path, tmp_path: Path
 ) -> None:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    run = _run(
-        [
-            str(installed / "shardkit"),
-            "bench",
-            "--json",
-            "--examples",
-            "5",
-            "--steps",
-            "5",
-            "--planted-seeds",
-            "1",
-            "--rounds",
-            "1",
-        ],
-        tmp_path,
-        env,
-    )
+    arguments = ["bench", "--json", "--examples", "5", "--steps", "5", "--planted-seeds", "1", "--rounds", "1"]
+    run = _run([str(installed / "shardkit"), *arguments], tmp_path, env)
     assert "Exception ignored" not in run.stderr, run.stderr
     assert run.stderr == "", run.stderr
     figures = json.loads(run.stdout)
