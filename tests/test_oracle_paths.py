@@ -14,14 +14,17 @@ import itertools
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 
-from shardkit import DelegatingEngine, FakeShardEngine
+from shardkit import DelegatingEngine, FakeShardEngine, machine_for
+from shardkit._core.checks import HistoryMemo, MemoStore
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.model import input_length
-from shardkit._core.output_checks import LEAKY_RECOMPUTE
+from shardkit._core.output_checks import LEAKY_RECOMPUTE, OutputChecks
 from shardkit._core.steps import Action, step_action
 from shardkit._core.twins import EAGER_TOKENS, chunk_pieces
+from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import DecodeRequest, LoadRequest, LoadResult, PrefillRequest, StepResult, TokenOutput
 
@@ -328,3 +331,50 @@ def test_a_recompute_twin_that_fails_after_its_own_earlier_sessions_is_replaced_
     driver.execute(step_action("decode", "a", 0, 1, (0,)))
     assert LEAKY_RECOMPUTE in driver.caveats, driver.caveats
     assert any("failed at [0, 0]" in note for note in driver.notes), driver.notes
+
+
+# --- the memo a run's examples share ------------------------------------------------------
+
+
+def test_the_shared_memo_keeps_layer_ranges_apart_and_stays_within_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(MemoStore, "MAX_BYTES", 2000)
+    store = MemoStore()
+    full, head = HistoryMemo(store, scope=repr(FULL)), HistoryMemo(store, scope=repr(HEAD))
+    full.remember((1, 2), "recompute", (5, None))
+    assert full.get((1, 2)) == {"recompute": (5, None)}
+    assert head.get((1, 2)) == {}  # another layer range answers for itself
+    for length in range(1, 200):
+        head.remember(tuple(range(length)), "stepwise", np.zeros(4, np.float32))
+    assert 0 < store.size_bytes <= 2000
+    assert head.get(tuple(range(199))), "the newest answer stays"
+    assert full.get((1, 2)) == {}, "the oldest went first"
+
+
+def test_a_runs_examples_share_the_twins_answers_until_one_fails() -> None:
+    """One store for the examples of a machine class; from its first failure on, a store per
+    example, so that what Hypothesis shrinks does not depend on the examples run before."""
+    machine = machine_for(FakeShardEngine, role="full")
+    first, second = machine._oracle_memo(), machine._oracle_memo()
+    assert first is second
+    other = machine_for(FakeShardEngine, role="full")
+    assert other._oracle_memo() is not first  # another run starts afresh
+    machine._failed = True
+    after = machine._oracle_memo()
+    assert after is not first
+    assert machine._oracle_memo() is not after
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_run_that_finds_nothing_recomputes_each_history_once(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Without the shared memo, the same 60 examples recompute each history about twice."""
+    recomputed: list[tuple[int, ...]] = []
+    recompute = OutputChecks._recompute
+
+    def counted(self: OutputChecks, history: tuple[int, ...]) -> None:
+        recomputed.append(history)
+        recompute(self, history)
+
+    monkeypatch.setattr(OutputChecks, "_recompute", counted)
+    assert fuzz(FakeShardEngine, seed=seed, examples=60, steps=30, role="full").failure is None
+    assert recomputed
+    assert len(recomputed) == len(set(recomputed))

@@ -168,9 +168,9 @@ class MemoStore:
     """The twins' answers of one run, shared by its examples, by (scope, history): Hypothesis
     draws many examples that share their first steps, and a history answered in one need
     not be answered again in the next (in a run of the fake, 200 examples of 50 steps, 742
-    of 4,244 recomputes were of histories not answered before). Bounded in bytes, oldest out first, so a long campaign or
-    a large hidden size cannot make it grow without limit; a history dropped is answered
-    again when it comes round.
+    of 4,244 recomputes were of histories not answered before). Bounded in bytes, oldest
+    out first, so a long campaign or a large hidden size cannot make it grow without limit;
+    a history dropped is answered again when it comes round.
 
     What makes sharing safe: the memo only ever speeds up a pass. A verdict of failure is
     never taken on a memo's word: before any output is judged wrong, every path answers that
