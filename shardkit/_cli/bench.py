@@ -217,15 +217,18 @@ def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
         for kit_run, bare_run in zip(timed["kit"], timed["bare"], strict=True)
     ]
     ratio = _spread([one["ratio"] for one in rounds])
+    # The median round's figures, so the row's rates and ratio agree (with an even number of
+    # rounds, the lower of the two middle ones).
+    middle = sorted(rounds, key=lambda one: one["ratio"])[(len(rounds) - 1) // 2]
     return {
-        "kit_steps_per_s": round(statistics.median(one["kit_steps_per_s"] for one in rounds), 1),
-        "bare_steps_per_s": round(statistics.median(one["bare_steps_per_s"] for one in rounds), 1),
+        "kit_steps_per_s": middle["kit_steps_per_s"],
+        "bare_steps_per_s": middle["bare_steps_per_s"],
+        "throughput_ratio": middle["ratio"],
         "kit_steps": timed["kit"][0].steps,
         "bare_rules": timed["bare"][0].steps,
-        "throughput_ratio": ratio["median"],
         "throughput_ratio_min": ratio["min"],
         "throughput_ratio_max": ratio["max"],
-        "cpu_ratio": _spread([one["cpu_ratio"] for one in rounds])["median"],
+        "cpu_ratio": middle["cpu_ratio"],
         "rounds": rounds,
         # How long the sessions got: throughput bought with short sessions only is no gain.
         "long_session_share": round(long_session_share(runs[0]), 4),
@@ -739,7 +742,7 @@ def render(bench: dict[str, Any]) -> str:
     else:
         rounds = len(next(iter(per_role.values()))["rounds"]) if per_role else 0
         lines.append(
-            f"throughput, {run_size} (fake engine, faults on; kit and bare interleaved, medians of {rounds} rounds):"
+            f"throughput, {run_size} (fake engine, faults on; kit and bare interleaved, the median of {rounds} rounds):"
         )
         lines.append(
             f"  {'role':<8} {'kit steps/s':>12} {'bare steps/s':>13} {'ratio':>7} {'spread':>11} {'CPU ratio':>10}"
@@ -860,7 +863,8 @@ def render(bench: dict[str, Any]) -> str:
         parallel = statistics.median(scale_out["parallel_steps_per_s"])
         lines.append(
             f"scale-out ({scale_out['suites']} fake suites, {scale_out['steps']:,} steps a run, "
-            f"{scale_out['rounds']} rounds interleaved, {scale_out['cpus']} CPUs): pytest -n 0 {serial:,.0f} steps/s, "
+            f"{scale_out['rounds']} round{'s' if scale_out['rounds'] != 1 else ''} interleaved, "
+            f"{scale_out['cpus']} CPUs): pytest -n 0 {serial:,.0f} steps/s, "
             f"-n {scale_out['workers']} {parallel:,.0f} steps/s (medians); speed-up x{scale_out['speedup_median']:.2f} "
             f"median (x{scale_out['speedup_min']:.2f} to x{scale_out['speedup_max']:.2f})"
         )
