@@ -28,6 +28,8 @@ the kit and reported as a finding or as one of the errors here.
 - ``ForkUnavailable`` (``shardkit._transport.forkserver``): the process that forks
   ``--isolate``'s workers cannot give one; the worker pool catches it and starts a fresh
   interpreter instead.
+- ``_NotMeasured`` (``shardkit._cli.bench``): a run of a bench section failed; the section
+  reports its message in place of figures.
 - ``_Budget`` (``shardkit._parallel.linearize``): the search for an order that explains a
   parallel phase visited its counted number of states; the search catches it and answers
   "unknown", which is never reported as a failure.

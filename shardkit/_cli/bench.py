@@ -604,8 +604,8 @@ Test_{role}_faults_{faults}_twins_{twins} = machine.TestCase
 
 def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
     """The same suites run by pytest in one process (``-n 0``) and by pytest-xdist on
-    ``scale_out_workers`` workers, interleaved A/B over ``scale_out_rounds`` rounds (the
-    order alternates, so a machine growing busier or quieter shifts both alike): steps per
+    ``scale_out_workers`` workers, interleaved over ``scale_out_rounds`` rounds (``_interleaved``:
+    a machine growing busier or quieter shifts both alike): steps per
     second of each, and the speed-up of each round. ``--shardkit-seed`` makes every run do
     the same work, the steps the same suites take under ``fuzz`` at that seed."""
     missing = [name for name in ("pytest", "xdist") if importlib.util.find_spec(name) is None]
@@ -629,36 +629,45 @@ def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
     )
     # A database named in the environment would add its saved examples to some runs' work.
     environment = {name: value for name, value in os.environ.items() if not name.startswith("SHARDKIT_")}
-    seconds: dict[int, list[float]] = {0: [], config.scale_out_workers: []}
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-scale-out-") as folder:
         Path(folder, "test_scale_out.py").write_text(source)
         Path(folder, "pytest.ini").write_text("[pytest]\n")  # no configuration from the folders above
-        for round_number in range(config.scale_out_rounds):
-            order = list(seconds) if round_number % 2 == 0 else list(reversed(seconds))
-            for workers in order:
-                command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", str(workers)]
-                command += ["--shardkit-seed", str(config.seed), "--shardkit-out", "failures", "test_scale_out.py"]
-                started = time.perf_counter()
-                finished = subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True)
-                seconds[workers].append(time.perf_counter() - started)
-                if finished.returncode != 0:
-                    tail = " | ".join(finished.stdout.strip().splitlines()[-3:])
-                    return f"not measured: pytest -n {workers} exited {finished.returncode}: {tail}"
-    serial, parallel = seconds[0], seconds[config.scale_out_workers]
-    speedups = sorted(one / many for one, many in zip(serial, parallel, strict=True))
+
+        def pytest_run(workers: int) -> int:
+            command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", str(workers)]
+            command += ["--shardkit-seed", str(config.seed), "--shardkit-out", "failures", "test_scale_out.py"]
+            finished = subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True)
+            if finished.returncode != 0:
+                tail = " | ".join(finished.stdout.strip().splitlines()[-3:])
+                raise _NotMeasured(f"not measured: pytest -n {workers} exited {finished.returncode}: {tail}")
+            return steps
+
+        try:
+            timed = _interleaved(
+                {"serial": partial(pytest_run, 0), "parallel": partial(pytest_run, config.scale_out_workers)},
+                config.scale_out_rounds,
+            )
+        except _NotMeasured as failed:
+            return str(failed)
+    serial, parallel = timed["serial"], timed["parallel"]
+    speedup = _spread([many.rate / one.rate for one, many in zip(serial, parallel, strict=True)])
     return {
         "suites": len(suites),
         "steps": steps,
         "workers": config.scale_out_workers,
         "cpus": os.cpu_count(),
         "rounds": config.scale_out_rounds,
-        "serial_steps_per_s": [round(steps / elapsed, 1) for elapsed in serial],
-        "parallel_steps_per_s": [round(steps / elapsed, 1) for elapsed in parallel],
-        "speedup_median": round(statistics.median(speedups), 3),
-        "speedup_min": round(speedups[0], 3),
-        "speedup_max": round(speedups[-1], 3),
+        "serial_steps_per_s": [round(one.rate, 1) for one in serial],
+        "parallel_steps_per_s": [round(many.rate, 1) for many in parallel],
+        "speedup_median": speedup["median"],
+        "speedup_min": speedup["min"],
+        "speedup_max": speedup["max"],
         "campaign": _campaign_scaling(config),
     }
+
+
+class _NotMeasured(Exception):
+    """A section's run failed; the message is what the section reports instead of figures."""
 
 
 def _campaign_scaling(config: BenchSettings) -> dict[str, Any]:
