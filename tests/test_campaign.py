@@ -20,7 +20,7 @@ import pytest
 from shardkit._campaign.merge import CampaignResult, merge_failures
 from shardkit._campaign.progress import LiveBoard, RoundLines, Tally
 from shardkit._campaign.rounds import FoundFailure, RoundFinished, RoundOutcome, RoundProgress, WorkerReady
-from shardkit._campaign.run import measure_worker_scaling
+from shardkit._campaign.run import measure_campaign_work
 from shardkit._campaign.seeds import round_seed
 from shardkit._cli.main import main
 from shardkit._run.options import FuzzOptions
@@ -381,13 +381,11 @@ def test_round_lines_print_one_line_per_finished_round() -> None:
 # --- for shardkit bench ----------------------------------------------------------------------------
 
 
-def test_worker_scaling_is_measured_over_a_fixed_number_of_rounds() -> None:
-    figures = measure_worker_scaling(options=FuzzOptions(examples=3, steps=10), rounds_per_worker=1, seed=2)
-    assert figures["rounds_per_worker"] == 1
-    assert figures["examples_per_round"] == 3
-    one, two = figures["by_workers"]["1"], figures["by_workers"]["2"]
-    assert (one["rounds"], two["rounds"]) == (1, 2)
-    assert two["steps"] > one["steps"] > 0
-    assert one["steps_per_s"] > 0
-    assert two["steps_per_s"] > 0
-    assert figures["speedup"] == round(two["steps_per_s"] / one["steps_per_s"], 2)
+def test_campaign_work_is_measured_over_a_fixed_number_of_rounds() -> None:
+    options = FuzzOptions(examples=3, steps=10)
+    one = measure_campaign_work(options=options, workers=1, rounds_per_worker=1, seed=2)
+    two = measure_campaign_work(options=options, workers=2, rounds_per_worker=1, seed=2)
+    assert (one.rounds, two.rounds) == (1, 2)
+    assert two.steps > one.steps > 0
+    assert one.seconds > 0
+    assert two.rate == two.steps / two.seconds

@@ -221,4 +221,6 @@ def test_the_bench_measures_scale_out_and_reports_it_in_json() -> None:
     campaign = scale_out["campaign"]
     assert set(campaign["by_workers"]) == {"1", "2"}
     assert all(figures["steps_per_s"] > 0 for figures in campaign["by_workers"].values())
+    assert all(len(figures["steps_per_s_by_round"]) == 1 for figures in campaign["by_workers"].values())
+    assert campaign["speedup_min"] <= campaign["speedup"] <= campaign["speedup_max"]
     assert "scale-out (shardkit campaign" in render(bench)

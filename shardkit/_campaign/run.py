@@ -24,7 +24,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from shardkit._campaign.rounds import Event, RoundFinished, WorkerFailed, Worker
 from shardkit._campaign.worker import INTERRUPT_SIGNAL, WorkerPlan, work
 from shardkit._run.options import FuzzOptions
 
-__all__ = ["CampaignPlan", "measure_worker_scaling", "run_campaign"]
+__all__ = ["CampaignPlan", "CampaignWork", "measure_campaign_work", "run_campaign"]
 
 #: Seconds the workers get to hand back what they found after Ctrl-C, before they are killed.
 INTERRUPT_GRACE_S = 30.0
@@ -223,44 +223,40 @@ def _interrupt(process: Any) -> None:
         os.kill(process.pid, INTERRUPT_SIGNAL)
 
 
-def measure_worker_scaling(
+@dataclass(frozen=True)
+class CampaignWork:
+    """What one campaign of a fixed number of rounds did: its rounds, their steps (shrinking
+    included) and the seconds from the first round's start to the last round's end."""
+
+    rounds: int
+    steps: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+
+def measure_campaign_work(
     target: str = "shardkit:FakeShardEngine",
     options: FuzzOptions | None = None,
     *,
+    workers: int,
     rounds_per_worker: int = 2,
     seed: int = 1,
-    worker_counts: Sequence[int] = (1, 2),
-) -> dict[str, Any]:
-    """Total steps per second of a campaign with each of ``worker_counts`` workers, each
-    worker running the same fixed number of rounds (no clock involved: more workers, more
-    work, the same work per worker), for ``shardkit bench``.
+) -> CampaignWork:
+    """One campaign of ``workers`` workers, each running the same fixed number of rounds (no
+    clock involved: more workers, more work, the same work per worker), for ``shardkit bench``.
 
-    A figure's time runs from the first round's start to the last round's end, over all
-    workers: the workers' start-up (a fresh interpreter importing the kit) is left out,
-    since a campaign of minutes pays it once. ``speedup`` is the last count's rate over
-    the first's; on N free cores it approaches N for an engine that holds no lock."""
+    The time runs from the first round's start to the last round's end, over all workers:
+    the workers' start-up (a fresh interpreter importing the kit) is left out, since a
+    campaign of minutes pays it once. On N free cores, N workers' rate approaches N times
+    one worker's for an engine that holds no lock."""
     options = options if options is not None else FuzzOptions(examples=50, steps=30)
-    figures: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="shardkit-campaign-bench-") as out:
-        for workers in worker_counts:
-            plan = CampaignPlan(target, options, workers, seed, Path(out), rounds_per_worker=rounds_per_worker)
-            result = run_campaign(plan)
-            if result.errors:
-                raise RuntimeError(f"the campaign with {workers} workers failed: {result.errors[0].error}")
-            span = max(o.ended_at for o in result.outcomes) - min(o.started_at for o in result.outcomes)
-            figures[str(workers)] = {
-                "rounds": len(result.outcomes),
-                "steps": result.work_steps,
-                "seconds": round(span, 3),
-                "steps_per_s": round(result.work_steps / span, 1) if span > 0 else 0.0,
-            }
-    first, last = figures[str(worker_counts[0])], figures[str(worker_counts[-1])]
-    return {
-        "target": target,
-        "rounds_per_worker": rounds_per_worker,
-        "examples_per_round": options.examples,
-        "steps_per_example": options.steps,
-        "cpu_count": os.cpu_count(),
-        "by_workers": figures,
-        "speedup": round(last["steps_per_s"] / first["steps_per_s"], 2) if first["steps_per_s"] else None,
-    }
+        plan = CampaignPlan(target, options, workers, seed, Path(out), rounds_per_worker=rounds_per_worker)
+        result = run_campaign(plan)
+    if result.errors:
+        raise RuntimeError(f"the campaign with {workers} workers failed: {result.errors[0].error}")
+    span = max(o.ended_at for o in result.outcomes) - min(o.started_at for o in result.outcomes)
+    return CampaignWork(len(result.outcomes), result.work_steps, span)

@@ -16,11 +16,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
@@ -124,23 +124,33 @@ class _Timed:
         return self.steps / self.wall_s
 
 
+_Run = TypeVar("_Run")
+
+
 def _timed(run: Callable[[], int]) -> _Timed:
     wall, cpu = time.perf_counter(), time.process_time()
     steps = run()
     return _Timed(steps, time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def _interleaved(runs: dict[str, Callable[[], int]], rounds: int) -> dict[str, list[_Timed]]:
+def _interleaved(runs: dict[str, Callable[[], _Run]], rounds: int) -> dict[str, list[_Run]]:
     """Every one of ``runs`` once a round, the order turned by one each round (A B C, B C A,
     C A B, …): a machine that grows busier or quieter during the bench shifts every side of a
-    comparison alike, and no side always runs first. Each run returns its steps."""
+    comparison alike, and no side always runs first. Each run returns its measure."""
     names = list(runs)
-    timed: dict[str, list[_Timed]] = {name: [] for name in names}
+    measured: dict[str, list[_Run]] = {name: [] for name in names}
     for round_number in range(rounds):
         turn = round_number % len(names)
         for name in names[turn:] + names[:turn]:
-            timed[name].append(_timed(runs[name]))
-    return timed
+            measured[name].append(runs[name]())
+    return measured
+
+
+def _median_round(rounds: Sequence[_Run], key: Callable[[_Run], float]) -> int:
+    """The index of the median round by ``key`` (with an even number, the lower of the two
+    middle ones): a row shows that one round's figures, so its rates and ratio agree."""
+    order = sorted(range(len(rounds)), key=lambda index: key(rounds[index]))
+    return order[(len(order) - 1) // 2]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -203,7 +213,11 @@ def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
 
     machine = build_machine(FakeShardEngine, role=role)
     timed = _interleaved(
-        {"kit": kit, "bare": lambda: bare_steps(machine, config.examples, config.steps, config.seed)}, config.rounds
+        {
+            "kit": partial(_timed, kit),
+            "bare": partial(_timed, lambda: bare_steps(machine, config.examples, config.steps, config.seed)),
+        },
+        config.rounds,
     )
     # Both draw the same examples: the bare machine's speed in the kit's steps is the kit's
     # steps over the bare machine's time, and the ratio is the bare machine's time over the kit's.
@@ -217,9 +231,7 @@ def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
         for kit_run, bare_run in zip(timed["kit"], timed["bare"], strict=True)
     ]
     ratio = _spread([one["ratio"] for one in rounds])
-    # The median round's figures, so the row's rates and ratio agree (with an even number of
-    # rounds, the lower of the two middle ones).
-    middle = sorted(rounds, key=lambda one: one["ratio"])[(len(rounds) - 1) // 2]
+    middle = rounds[_median_round(rounds, lambda one: float(one["ratio"]))]
     return {
         "kit_steps_per_s": middle["kit_steps_per_s"],
         "bare_steps_per_s": middle["bare_steps_per_s"],
@@ -351,8 +363,9 @@ OUT_OF_PROCESS_MODES = ("in-process", "grpc", "isolated")
 def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
     (``--isolate``): the same seed, so the same steps, at different costs. With faults and
-    without, the three modes interleaved over ``config.rounds`` rounds: each mode's median
-    steps/s and how much slower than in-process it was, round by round (median and spread)."""
+    without, the three modes interleaved over ``config.rounds`` rounds. A mode's row is its
+    median round: by steps/s in-process, by how much slower than in-process otherwise (with
+    the spread of that over the rounds)."""
     try:
         import shardkit._transport.client  # noqa: F401 - the grpc extra, needed by two of the modes
     except ImportError as error:
@@ -361,17 +374,25 @@ def _out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     for faults in ("all", "none"):
         workers: list[int] = []
         run = partial(_fuzz_out_of_process, config, faults, workers)
-        timed = _interleaved({mode: partial(run, mode) for mode in OUT_OF_PROCESS_MODES}, config.rounds)
+        timed = _interleaved(
+            {mode: partial(_timed, partial(run, mode)) for mode in OUT_OF_PROCESS_MODES}, config.rounds
+        )
         base = timed[OUT_OF_PROCESS_MODES[0]]
         for mode, runs in timed.items():
-            row: dict[str, Any] = {
-                "steps_per_s": round(statistics.median(one.rate for one in runs), 1),
-                "steps": runs[0].steps,
-                "steps_per_s_by_round": [round(one.rate, 1) for one in runs],
-            }
-            if mode != OUT_OF_PROCESS_MODES[0]:
-                slowdown = _spread([alone.rate / one.rate for alone, one in zip(base, runs, strict=True)])
-                row |= {"slower": slowdown["median"], "slower_min": slowdown["min"], "slower_max": slowdown["max"]}
+            row: dict[str, Any] = {"steps": runs[0].steps, "steps_per_s_by_round": [round(one.rate, 1) for one in runs]}
+            if mode == OUT_OF_PROCESS_MODES[0]:
+                row["steps_per_s"] = round(runs[_median_round(runs, lambda one: one.rate)].rate, 1)
+            else:
+                slowdowns = [alone.rate / one.rate for alone, one in zip(base, runs, strict=True)]
+                # The median round by slowdown: the row's steps/s is that round's, so the two agree.
+                middle = _median_round(slowdowns, float)
+                spread = _spread(slowdowns)
+                row |= {
+                    "steps_per_s": round(runs[middle].rate, 1),
+                    "slower": round(slowdowns[middle], 3),
+                    "slower_min": spread["min"],
+                    "slower_max": spread["max"],
+                }
             if mode == "isolated":
                 row["workers_started"] = round(statistics.median(workers))
             rows[f"{mode}, faults {faults}"] = row
@@ -644,7 +665,10 @@ def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
 
         try:
             timed = _interleaved(
-                {"serial": partial(pytest_run, 0), "parallel": partial(pytest_run, config.scale_out_workers)},
+                {
+                    "serial": partial(_timed, partial(pytest_run, 0)),
+                    "parallel": partial(_timed, partial(pytest_run, config.scale_out_workers)),
+                },
                 config.scale_out_rounds,
             )
         except _NotMeasured as failed:
@@ -671,15 +695,54 @@ class _NotMeasured(Exception):
 
 
 def _campaign_scaling(config: BenchSettings) -> dict[str, Any]:
-    """``shardkit campaign`` on the fake with 1 worker, then ``scale_out_workers``, each
-    worker running the same 3 rounds of ``--examples`` × ``--steps`` (no clock involved)."""
-    from shardkit._campaign.run import measure_worker_scaling
+    """``shardkit campaign`` on the fake with 1 worker and with ``scale_out_workers``, each
+    worker running the same 3 rounds of ``--examples`` × ``--steps`` (no clock involved), the
+    two interleaved over ``scale_out_rounds`` rounds. The speed-up is the median round's, with
+    the spread over the rounds; the figures by workers are that round's."""
+    from shardkit._campaign.run import measure_campaign_work
     from shardkit._run.options import FuzzOptions
 
     options = FuzzOptions(examples=config.examples, steps=config.steps)
-    return measure_worker_scaling(
-        options=options, rounds_per_worker=3, seed=config.seed, worker_counts=(1, config.scale_out_workers)
+    counts = (1, config.scale_out_workers)
+    rounds_per_worker = 3
+    measured = _interleaved(
+        {
+            str(count): partial(
+                measure_campaign_work,
+                options=options,
+                workers=count,
+                rounds_per_worker=rounds_per_worker,
+                seed=config.seed,
+            )
+            for count in counts
+        },
+        config.scale_out_rounds,
     )
+    one, many = measured[str(counts[0])], measured[str(counts[-1])]
+    speedups = [more.rate / alone.rate if alone.rate else 0.0 for alone, more in zip(one, many, strict=True)]
+    middle = _median_round(speedups, float)
+    spread = _spread(speedups)
+    return {
+        "target": "shardkit:FakeShardEngine",
+        "rounds_per_worker": rounds_per_worker,
+        "examples_per_round": options.examples,
+        "steps_per_example": options.steps,
+        "cpu_count": os.cpu_count(),
+        "interleaved_rounds": config.scale_out_rounds,
+        "by_workers": {
+            count: {
+                "rounds": works[middle].rounds,
+                "steps": works[middle].steps,
+                "seconds": round(works[middle].seconds, 3),
+                "steps_per_s": round(works[middle].rate, 1),
+                "steps_per_s_by_round": [round(work.rate, 1) for work in works],
+            }
+            for count, works in measured.items()
+        },
+        "speedup": round(speedups[middle], 3),
+        "speedup_min": spread["min"],
+        "speedup_max": spread["max"],
+    }
 
 
 def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) -> dict[str, Any]:
@@ -879,9 +942,11 @@ def render(bench: dict[str, Any]) -> str:
         )
         campaign = scale_out["campaign"]
         rates = ", ".join(f"{count} {figures['steps_per_s']:,.0f}" for count, figures in campaign["by_workers"].items())
+        rounds = campaign["interleaved_rounds"]
         lines.append(
-            f"scale-out (shardkit campaign, {campaign['rounds_per_worker']} rounds a worker, start-up not counted): "
-            f"steps/s by workers: {rates}; speed-up x{campaign['speedup']:.2f}"
+            f"scale-out (shardkit campaign, {campaign['rounds_per_worker']} rounds a worker, start-up not counted, "
+            f"{rounds} round{'s' if rounds != 1 else ''} interleaved): steps/s by workers: {rates} (median round); "
+            f"speed-up x{campaign['speedup']:.2f} (x{campaign['speedup_min']:.2f} to x{campaign['speedup_max']:.2f})"
         )
     sections = ", ".join(f"{name} {seconds:g} s" for name, seconds in bench["section_seconds"].items())
     lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s ({sections})")
