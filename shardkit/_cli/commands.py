@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, check_isolation_options, for_command
-from shardkit._core.targets import IsolationOptions, ResolvedTarget, check_step_timeout, is_loopback, is_remote_address
+from shardkit._core.targets import (
+    IsolationOptions,
+    ResolvedTarget,
+    check_step_timeout,
+    display_name,
+    is_loopback,
+    is_remote_address,
+    worker_command_target,
+)
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import ContractViolation, UsageError
 
@@ -35,13 +43,15 @@ def replay_command(args: argparse.Namespace) -> int:
         check_step_timeout(args.step_timeout)
     check_isolation_options("replay", args, args.engine)
     engine: str | ResolvedTarget | None = args.engine
+    if args.worker_command is not None:
+        engine = worker_command_target(args.worker_command)
     isolate: bool | IsolationOptions | None = args.isolate
     if args.engine is not None and is_remote_address(args.engine):
         if args.step_timeout is not None:
             engine = target_with_options(args.engine, step_timeout=args.step_timeout)
     elif args.step_timeout is not None or args.worker_memory is not None:
         recorded = read_trace(args.trace).isolation
-        if args.isolate is False or (args.isolate is None and recorded is None):
+        if args.worker_command is None and (args.isolate is False or (args.isolate is None and recorded is None)):
             message = "shardkit replay: --step-timeout and --worker-memory set up a worker process; add --isolate (the trace ran in-process)"
             raise UsageError(message)
         defaults = recorded or IsolationOptions()
@@ -90,7 +100,9 @@ def bench_command(args: argparse.Namespace) -> int:
             message = f"shardkit bench: --planted {planted!r} cannot be imported ({error}); name a module with PLANTED, or 'none'"
             raise UsageError(message) from None
         if not isinstance(getattr(module, "PLANTED", None), tuple):
-            message = f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
+            message = (
+                f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
+            )
             raise UsageError(message)
     figures = run_bench(bench_settings(args, planted))
     print(json.dumps(figures, indent=2) if args.json else render(figures))
@@ -121,14 +133,31 @@ def bench_settings(args: argparse.Namespace, planted: str | None) -> BenchSettin
 
 def contract_command(args: argparse.Namespace) -> int:
     from shardkit import assert_shard_engine_contract
+    from shardkit._transport.isolation import target_with_options
 
-    target = resolve_target(args.target)
+    with for_command("contract"):
+        check_step_timeout(args.step_timeout)
+    check_isolation_options("contract", args, args.target)
+    if args.worker_command is None and args.target is None:
+        raise UsageError(
+            "shardkit contract: name the engine: a target (my_pkg.engine:make_engine) or --worker-command CMD"
+        )
+    named = worker_command_target(args.worker_command) if args.worker_command is not None else args.target
+    # In worker processes (--isolate, --worker-command), a crash is a failed check, not the end of the run.
+    target = target_with_options(
+        named, isolate=args.isolate, step_timeout=args.step_timeout, worker_memory_mb=args.worker_memory
+    )
     try:
         skipped = assert_shard_engine_contract(target)
     except ContractViolation as violation:
         print(violation)
         return EXIT_FAILURE
-    print(f"{target.name}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else ""))
+    finally:
+        if target.isolation is not None:
+            target.isolation.close()
+    print(
+        f"{display_name(target.name)}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else "")
+    )
     for reason in skipped:
         print(f"  skipped {reason}")
     return EXIT_OK

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
 from shardkit._cli.paths import check_out_folder, check_output_file
-from shardkit._core.targets import IsolationOptions
+from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, worker_command_target
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import UsageError
@@ -39,6 +39,7 @@ def fuzz_command(args: argparse.Namespace) -> int:
             isolate=args.isolate,
             step_timeout=args.step_timeout,
             worker_memory_mb=args.worker_memory,
+            worker_command=args.worker_command,
             concurrency=args.concurrency,
             database=choose_database(args.database, args.database_read_only),
         )
@@ -53,14 +54,18 @@ def fuzz_command(args: argparse.Namespace) -> int:
             message = f"shardkit fuzz: --html {args.html} is the --report file too; name each its own file, e.g. --report report.json --html report.html"
             raise UsageError(message)
     check_isolation_options("fuzz", args, args.target)
-    target = resolve_target(args.target)
+    if args.worker_command is not None:
+        name = worker_command_target(args.worker_command)
+    else:
+        args.target = DEFAULT_TARGET if args.target is None else args.target
+        name = resolve_target(args.target).name
     isolation = None
-    if args.isolate:
+    if args.isolate or args.worker_command is not None:
         timeout = IsolationOptions().step_timeout if args.step_timeout is None else args.step_timeout
         isolation = IsolationOptions(timeout, args.worker_memory)
     # The whole command at once, as the summary's rerun line will print it: a run cut short
     # (a killed CI job) can be rerun from this line alone.
-    print(options.command(target.name, seed, args.reference, isolation), flush=True)
+    print(options.command(name, seed, args.reference, isolation), flush=True)
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:

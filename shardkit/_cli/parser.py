@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from shardkit._core.targets import DEFAULT_TARGET, is_remote_address
+from shardkit._core.targets import DEFAULT_TARGET, is_remote_address, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
 from shardkit.contract import FAULT_KINDS, ROLES
-from shardkit.errors import UsageError
+from shardkit.errors import InvalidTarget, UsageError
 
 __all__ = [
     "EXIT_FAILURE",
@@ -132,6 +132,14 @@ def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = Fa
             help="run the engine in a worker process: a crash, hang or memory blow-up becomes a reported failure",
         )
     group.add_argument(
+        "--worker-command",
+        default=None,
+        metavar="CMD",
+        help="the engine is this command, in any language, serving contract v1 on the address the kit puts in "
+        "its {address}; the kit starts it as isolated workers (docs/any-language.md)"
+        + ("; replaces the recorded engine" if replaying else ""),
+    )
+    group.add_argument(
         "--step-timeout",
         type=_seconds,
         default=None,
@@ -143,7 +151,7 @@ def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = Fa
         type=_positive_int("--worker-memory"),
         default=None,
         metavar="MB",
-        help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate",
+        help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate or --worker-command",
     )
 
 
@@ -166,17 +174,30 @@ def database_options(command: argparse.ArgumentParser) -> None:
 
 
 def check_isolation_options(command: str, args: argparse.Namespace, target: str | None) -> None:
-    """Options that cannot apply are a usage error, never silently ignored."""
+    """Options that cannot apply are a usage error, never silently ignored. ``target`` is
+    the engine target the command line named, if any."""
+    worker_command = args.worker_command
+    if worker_command is not None:
+        if target is not None:
+            flag = "--engine " if command == "replay" else ""
+            message = f"shardkit {command}: --worker-command names the engine; drop {flag}{target!r} or the option"
+            raise UsageError(message)
+        if args.isolate is False and command == "replay":
+            raise UsageError("shardkit replay: --worker-command always runs the engine in worker processes; drop --no-isolate")
+        try:
+            worker_command_argv(worker_command)
+        except InvalidTarget as error:
+            raise UsageError(f"shardkit {command}: --worker-command: {error}") from None
     # replay's --isolate is None when the trace decides; the trace then says whether to isolate.
-    isolation_refused = args.isolate is False if command == "replay" else not args.isolate
+    isolation_refused = (args.isolate is False if command == "replay" else not args.isolate) and worker_command is None
     if args.worker_memory is not None and isolation_refused:
-        raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate")
+        raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate or --worker-command")
     remote = target is not None and is_remote_address(target)
     if args.isolate and remote:
         message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
         raise UsageError(message)
-    if args.step_timeout is not None and not args.isolate and not remote and command == "fuzz":
-        message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate or a grpc:// or unix: target"
+    if args.step_timeout is not None and not args.isolate and not remote and worker_command is None and command in ("fuzz", "contract"):
+        message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate, --worker-command or a grpc:// or unix: target"
         raise UsageError(message)
 
 
@@ -191,7 +212,7 @@ def build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
-    fuzz.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
+    fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
     fuzz.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
     fuzz.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples to run ({defaults.examples})")
     fuzz.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
@@ -308,7 +329,8 @@ def build_parser() -> _Parser:
     )
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
-    contract.add_argument("target", help="engine target, e.g. my_pkg.engine:make_engine")
+    contract.add_argument("target", nargs="?", default=None, help="engine target, e.g. my_pkg.engine:make_engine (or --worker-command)")
+    _isolation_options(contract)
 
     report = commands.add_parser("report", help="draw a --report JSON as one HTML page (docs/report.md)")
     report.add_argument("report", type=Path, metavar="REPORT.json", help="a report written by shardkit fuzz --report")

@@ -17,7 +17,7 @@ from shardkit._core.checks import metrics_text, output_problems, payload_differe
 from shardkit._core.model import Prediction, ReferenceModel, StepRequest
 from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
-from shardkit._core.targets import EngineFactory
+from shardkit._core.targets import EngineFactory, Isolation
 from shardkit.contract import (
     BoundaryBundle,
     DecodeRequest,
@@ -29,7 +29,7 @@ from shardkit.contract import (
     TokenOutput,
     role_of,
 )
-from shardkit.errors import ContractViolation
+from shardkit.errors import ContractViolation, InvalidTarget
 
 __all__ = ["CONTRACT_CHECKS", "assert_shard_engine_contract"]
 
@@ -310,14 +310,19 @@ CONTRACT_CHECKS: tuple[ContractCheck, ...] = (
 
 
 @contextmanager
-def _recording(failures: list[tuple[str, str]], name: str) -> Iterator[None]:
+def _recording(failures: list[tuple[str, str]], name: str, isolation: Isolation | None) -> Iterator[None]:
     try:
         yield
     except _CheckFailed as failure:
         failures.append((name, str(failure)))
-    except _RoleNotServed:
+    except (_RoleNotServed, InvalidTarget):  # InvalidTarget: no engine to check (a worker that cannot start)
         raise
     except Exception as error:  # an engine that raises is a finding, not a crash of the check
+        # An engine in a worker process (--isolate, --worker-command) may have died of the call.
+        death = isolation.death(error) if isolation is not None else None
+        if death is not None:
+            failures.append((name, f"the engine process {death.summary}; {death.output_detail()}"))
+            return
         where = traceback.format_exception_only(error)[-1].strip()
         failures.append((name, f"the engine raised {where}"))
 
@@ -330,15 +335,18 @@ def assert_shard_engine_contract(make_engine: EngineFactory) -> list[str]:
     Returns the checks skipped, each with why: a role check for a layer range
     the engine refuses to load (contract §1 allows that), or one that needs more layers.
     """
-    total_layers = make_engine().capabilities().total_layers
+    isolation: Isolation | None = getattr(make_engine, "isolation", None)
     failures: list[tuple[str, str]] = []
     skipped: list[str] = []
-    for check in CONTRACT_CHECKS:
+    total_layers = 0
+    with _recording(failures, "capabilities", isolation):
+        total_layers = make_engine().capabilities().total_layers
+    for check in CONTRACT_CHECKS if not failures else ():
         if total_layers < check.min_layers:
             skipped.append(f"{check.name}: needs {check.min_layers} layers, the engine has {total_layers}")
             continue
         try:
-            with _recording(failures, check.name):
+            with _recording(failures, check.name, isolation):
                 check.run(make_engine)
         except _RoleNotServed as refusal:
             skipped.append(f"{check.name}: {refusal}")

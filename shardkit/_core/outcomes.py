@@ -110,10 +110,15 @@ class StepContext:
         isolation = self.target.isolation
         return isolation.death(error) if isolation is not None else None
 
-    def _death_failure(self, death: ProcessDeath, expected: str, *, in_twin: bool = False) -> Fail:
-        """E.g. "engine process killed by SIGSEGV during step 7: decode(…)", and what it printed last."""
+    def _death_failure(
+        self, death: ProcessDeath, expected: str, *, in_twin: bool = False, twin_call: str | None = None
+    ) -> Fail:
+        """E.g. "engine process killed by SIGSEGV during step 7: decode(…)", and what it printed last.
+        ``twin_call`` is the twin's own call that died, when known: it need not be the step's."""
         index, action = self._step
         serving = " while serving a twin of the oracle" if in_twin else ""
+        if in_twin and twin_call:
+            serving += f" (its {twin_call})"
         observed = f"engine process {death.summary}{serving} during step {index}: {action.describe()}"
         return Fail(death.property, expected, observed, death.output_detail())
 

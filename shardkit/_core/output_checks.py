@@ -309,7 +309,8 @@ class OutputChecks(StepContext):
                 raise self._broken_reference(what) from error
             death = self._death(error)
             if death is not None:
-                raise self._death_failure(death, "a fresh twin to answer", in_twin=True) from error
+                twin_call = getattr(error, "operation", None)
+                raise self._death_failure(death, "a fresh twin to answer", in_twin=True, twin_call=twin_call) from error
             raise Fail(
                 "unexplained exception", "a fresh twin to answer", f"a fresh twin raised {raised(error)}"
             ) from error

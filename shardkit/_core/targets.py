@@ -3,7 +3,8 @@ zero-argument callable that returns a fresh, unloaded ``ShardEngine``.
 
 Also what the driver, the runner and the trace know about a target whose engines live in
 another process, without importing the transport (or gRPC): how an address is told from
-a Python target (``is_remote_address``), what a guard lets pass (``passes_through``: Ctrl-C
+a Python target (``is_remote_address``), how a foreign worker's command is named as a
+target (``worker_command_target``, ``worker_command_of``), what a guard lets pass (``passes_through``: Ctrl-C
 and ``shardkit.errors.EngineLost``, a lost server ending the run), and what an isolated
 target's worker process is asked and answers (``Isolation``, ``IsolationOptions``,
 ``ProcessDeath``). Turning an address into engines, and isolating a target, is the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import shlex
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "MAX_STEP_TIMEOUT",
     "REMOTE_PREFIXES",
+    "WORKER_ADDRESS_FIELD",
     "EngineFactory",
     "Isolation",
     "IsolationOptions",
@@ -36,17 +39,25 @@ __all__ = [
     "check_seconds",
     "check_step_timeout",
     "describe_exception",
+    "display_name",
     "import_target",
     "is_loopback",
     "is_remote_address",
     "passes_through",
     "short_name",
+    "worker_command_argv",
+    "worker_command_of",
+    "worker_command_target",
 ]
 
 EngineFactory = Callable[[], ShardEngine]
 DEFAULT_TARGET = "shardkit:FakeShardEngine"
 #: How a target names an engine server rather than Python code: ``grpc://HOST:PORT``, ``unix:PATH``.
 REMOTE_PREFIXES = ("grpc://", "unix:")
+#: A worker command's target name: this prefix, then the command as the user gave it.
+_WORKER_COMMAND_PREFIX = "worker-command:"
+#: Where a worker command takes the address the kit gives each worker to listen on.
+WORKER_ADDRESS_FIELD = "{address}"
 #: Seconds each call to an isolated (or remote) engine may take before it counts as a hang.
 DEFAULT_STEP_TIMEOUT = 5.0
 #: The longest deadline a run's options accept (a trace records at most this, too).
@@ -65,13 +76,50 @@ def check_step_timeout(value: float | None) -> None:
     """Refuse (``UsageError`` naming ``step_timeout`` and ``--step-timeout``) a deadline a run's
     options cannot take: one outside (0, ``MAX_STEP_TIMEOUT``] seconds. ``None`` is the default."""
     if value is not None and not 0 < value <= MAX_STEP_TIMEOUT:
-        message = f"step_timeout (--step-timeout) must be a number of seconds in (0, {MAX_STEP_TIMEOUT:g}], got {value!r}"
+        message = (
+            f"step_timeout (--step-timeout) must be a number of seconds in (0, {MAX_STEP_TIMEOUT:g}], got {value!r}"
+        )
         raise UsageError(message)
 
 
 def is_remote_address(target: str) -> bool:
     """Whether the target string ``target`` names an engine server (``grpc://…``, ``unix:…``)."""
     return target.startswith(REMOTE_PREFIXES)
+
+
+def worker_command_argv(command: str) -> list[str]:
+    """The words of a worker command (``--worker-command``), checked: it must split as a shell
+    would split it and name the address the kit gives each worker (``{address}``).
+    ``InvalidTarget`` (a ``ValueError``) names what is wrong and the fix."""
+    example = "e.g. --worker-command 'build/my_worker --listen {address}'"
+    if not isinstance(command, str) or not command.strip():
+        message = f"a worker command must be the command line that starts one worker, {example}; got {command!r}"
+        raise InvalidTarget(message)
+    try:
+        words = shlex.split(command)
+    except ValueError as error:
+        message = f"the worker command {command!r} does not split into words as a shell would ({error}); {example}"
+        raise InvalidTarget(message) from None
+    if not any(WORKER_ADDRESS_FIELD in word for word in words):
+        message = (
+            f"the worker command {command!r} has no {WORKER_ADDRESS_FIELD}: the kit starts each worker on an "
+            f"address of its own (unix:PATH) and puts it where {WORKER_ADDRESS_FIELD} stands, {example}"
+        )
+        raise InvalidTarget(message)
+    return words
+
+
+def worker_command_target(command: str) -> str:
+    """The target name of the engines a foreign worker command serves (checked first)."""
+    worker_command_argv(command)
+    return _WORKER_COMMAND_PREFIX + command
+
+
+def worker_command_of(target: object) -> str | None:
+    """The worker command a target name stands for, or None for any other target."""
+    if isinstance(target, str) and target.startswith(_WORKER_COMMAND_PREFIX):
+        return target.removeprefix(_WORKER_COMMAND_PREFIX)
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -124,9 +172,10 @@ class IsolationOptions:
     def to_json(self) -> dict[str, Any]:
         return {"step_timeout": self.step_timeout, "worker_memory_mb": self.worker_memory_mb}
 
-    def command_options(self) -> list[str]:
-        """The ``shardkit fuzz``/``replay`` options that ask for these settings."""
-        options = ["--isolate"]
+    def command_options(self, *, isolate_flag: bool = True) -> list[str]:
+        """The ``shardkit fuzz``/``replay`` options that ask for these settings (without
+        ``--isolate`` for a worker command, which is always isolated)."""
+        options = ["--isolate"] if isolate_flag else []
         if self.step_timeout != DEFAULT_STEP_TIMEOUT:
             options += ["--step-timeout", f"{self.step_timeout:g}"]
         if self.worker_memory_mb is not None:
@@ -242,10 +291,24 @@ class ResolvedTarget:
 
 
 def short_name(target_name: str) -> str:
-    """A target's name for labels and file names: the attribute of ``module:attr``, an address whole."""
+    """A target's name for labels and file names: the attribute of ``module:attr``, an address
+    whole, a worker command's program without its folder."""
     if is_remote_address(target_name):
         return target_name
+    command = worker_command_of(target_name)
+    if command is not None:
+        # The program, or the last path it is given (the script an interpreter runs), bare.
+        words = [word for word in command.split() if WORKER_ADDRESS_FIELD not in word]
+        paths = [word for word in words if "/" in word]
+        chosen = paths[-1] if paths else words[0] if words else command
+        return chosen.rpartition("/")[2].partition(".")[0] or chosen
     return target_name.rpartition(":")[2] or target_name
+
+
+def display_name(target_name: str) -> str:
+    """A target's name as messages print it: ``worker command '…'`` for a worker command."""
+    command = worker_command_of(target_name)
+    return f"the worker command {command!r}" if command is not None else target_name
 
 
 def import_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:

@@ -18,13 +18,13 @@ from typing import Any
 
 from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name, worker_command_target
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
 from shardkit._machine.state_machine import FailureSink, ShardMachine, SuiteRunner, inject_fault, layer_range
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
-from shardkit.errors import ShardkitError, UsageError
+from shardkit.errors import InvalidTarget, ShardkitError, UsageError
 
 __all__ = ["build_machine", "loadable_roles", "parse_faults", "roles_for"]
 
@@ -43,7 +43,9 @@ def loadable_roles(target: ResolvedTarget, total_layers: int) -> tuple[Role, ...
         engine = target()
         try:
             # An exception other than EngineError (or the worker dying) names the call: exit 2, one line.
-            loaded = target.guarded(f"load(layers {start}..{end} of {total_layers})", functools.partial(engine.load, request))
+            loaded = target.guarded(
+                f"load(layers {start}..{end} of {total_layers})", functools.partial(engine.load, request)
+            )
         except EngineError:
             continue
         if loaded.status.ok:
@@ -66,7 +68,7 @@ def parse_faults(faults: bool | str | Iterable[str]) -> frozenset[str]:
 
 
 def build_machine(
-    target_or_factory: str | EngineFactory | ResolvedTarget,
+    target_or_factory: str | EngineFactory | ResolvedTarget | None = None,
     *,
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
@@ -81,6 +83,7 @@ def build_machine(
     suite_runner: SuiteRunner | None = None,
     concurrency: int = 1,
     fuzzer_failures: FailureSink | None = None,
+    worker_command: str | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -97,7 +100,11 @@ def build_machine(
     each example that draws it. ``suite_runner`` is what the machine's pytest ``TestCase``
     runs and ``fuzzer_failures`` what its failures become when a fuzzer such as HypoFuzz
     drives it directly (``machine_for`` sets both; see ``ShardMachine``).
+    ``worker_command`` names the engine instead of ``target_or_factory``: a command that
+    serves contract v1 on the address the kit puts in its ``{address}``, run as isolated
+    workers (docs/any-language.md).
     """
+    target_or_factory = engine_target(target_or_factory, worker_command)
     if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
         message = f"concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
         raise UsageError(message)
@@ -133,12 +140,37 @@ def build_machine(
         **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
         **({"fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
         **({"inject_fault": inject_fault} if wanted else {}),
+        # Only where bundles are sent: a head's or full shard's draws stay as they were.
         **(parallel_rules(concurrency, base) if concurrency > 1 else {}),
         "concurrency": concurrency,
     }
     engine_name = re.sub(r"\W+", "_", short_name(_target_name(target_or_factory))).strip("_")
     class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
     return type(class_name, (base,), namespace)
+
+
+def engine_target(
+    target_or_factory: str | EngineFactory | ResolvedTarget | None, worker_command: str | None
+) -> str | EngineFactory | ResolvedTarget:
+    """The engine a run fuzzes: ``target_or_factory``, or the target of ``worker_command``;
+    exactly one of them."""
+    if worker_command is None:
+        if target_or_factory is None:
+            message = (
+                "name the engine to fuzz: a target ('package.module:factory') or a worker_command (--worker-command)"
+            )
+            raise UsageError(message)
+        return target_or_factory
+    if target_or_factory is not None:
+        message = (
+            f"worker_command (--worker-command) names the engine, so the target {_target_name(target_or_factory)!r} "
+            "cannot be named beside it: give one of them"
+        )
+        raise UsageError(message)
+    try:
+        return worker_command_target(worker_command)
+    except InvalidTarget as error:
+        raise UsageError(str(error)) from None
 
 
 def _target_name(target_or_factory: str | EngineFactory | ResolvedTarget) -> str:

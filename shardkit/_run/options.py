@@ -10,7 +10,14 @@ from typing import Any
 
 from shardkit._core.importing import import_named
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, check_step_timeout
+from shardkit._core.targets import (
+    EngineFactory,
+    IsolationOptions,
+    ResolvedTarget,
+    check_step_timeout,
+    worker_command_argv,
+    worker_command_of,
+)
 from shardkit._machine.build import parse_faults
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
@@ -18,7 +25,7 @@ from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.database import DatabaseChoice, parse_database
 from shardkit._run.trace import importable_name
 from shardkit.contract import FAULT_KINDS, ROLES, Role
-from shardkit.errors import UsageError
+from shardkit.errors import InvalidTarget, UsageError
 
 __all__ = ["DEFAULT_BUDGETS", "Budgets", "FuzzOptions"]
 
@@ -59,7 +66,9 @@ class FuzzOptions:
     ``faults``: "all", "none", or kinds ("delay,crash" or a list); True and False mean
     "all" and "none". ``reference`` builds the twin oracle from another engine. ``isolate``
     runs each engine in a worker process whose calls get ``step_timeout`` seconds and
-    whose memory ``worker_memory_mb`` limits. ``base`` (``--machine``: a ``ShardMachine``
+    whose memory ``worker_memory_mb`` limits. ``worker_command`` (``--worker-command``) names
+    the engine instead of a target: a command in any language that serves contract v1 on
+    the address the kit puts in its ``{address}``, run as isolated workers. ``base`` (``--machine``: a ``ShardMachine``
     subclass, or its ``module:Class`` / ``file.py:Class`` name) and ``model`` (default: the
     machine's ``model_factory``) extend the rules (docs/extending.md); ``minimize`` turns the replay minimiser off; ``budgets`` bounds
     the work by counts. ``concurrency`` of 2 or 3 ends examples with that many lanes of
@@ -79,6 +88,7 @@ class FuzzOptions:
     isolate: bool | IsolationOptions = False
     step_timeout: float | None = None
     worker_memory_mb: int | None = None
+    worker_command: str | None = None
     model: Callable[[], ReferenceModel] | None = None
     base: type[ShardMachine] | str = ShardMachine
     minimize: bool = True
@@ -118,6 +128,11 @@ class FuzzOptions:
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
             message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
             raise UsageError(message)
+        if self.worker_command is not None:
+            try:
+                worker_command_argv(self.worker_command)
+            except InvalidTarget as error:
+                raise UsageError(f"worker_command (--worker-command): {error}") from None
 
     @classmethod
     def from_fields(cls, options: FuzzOptions | None, changes: dict[str, Any]) -> FuzzOptions:
@@ -141,6 +156,7 @@ class FuzzOptions:
             "isolate": self.isolate,
             "step_timeout": self.step_timeout,
             "worker_memory_mb": self.worker_memory_mb,
+            "worker_command": self.worker_command,
             "concurrency": self.concurrency,
         }
 
@@ -149,7 +165,9 @@ class FuzzOptions:
         defaults. ``reference`` is the resolved reference engine's name and ``isolation``
         the isolation the run used, if any."""
         defaults = FuzzOptions()
-        parts = ["shardkit", "fuzz", shlex.quote(target), "--seed", str(seed)]
+        command = worker_command_of(target)
+        named = ["--worker-command", shlex.quote(command)] if command is not None else [shlex.quote(target)]
+        parts = ["shardkit", "fuzz", *named, "--seed", str(seed)]
         if self.role is not None:
             parts += ["--role", self.role]
         if self.examples != defaults.examples:
@@ -165,7 +183,7 @@ class FuzzOptions:
         if reference is not None:
             parts += ["--reference", shlex.quote(reference)]
         if isolation is not None:
-            parts += isolation.command_options()
+            parts += isolation.command_options(isolate_flag=command is None)
         elif self.step_timeout is not None:
             parts += ["--step-timeout", f"{self.step_timeout:g}"]
         parts += self.database_choice.command_options()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shardkit._core.driver import CustomOp, Driver, StepRecord, Violation
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, is_remote_address
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, display_name, is_remote_address
 from shardkit._parallel.runs import replay_runs
 from shardkit._run.trace_reader import Trace, check_custom_steps, read_trace
 from shardkit._run.trust import Admitted, admit, build_recorded_machine, resolve_admitted
@@ -314,7 +314,7 @@ def _describe(
         text = f"replaying against {engine.describe()}"
     else:
         name = target if isinstance(target, str) else resolve_target(target).name if target is not None else "?"
-        text = f"replaying against {name} (named by you)"
+        text = f"replaying against {display_name(name)} (named by you)"
     if reference_admitted is not None:
         text += f", twins from the reference {reference_admitted.describe()}"
     elif reference is not None:

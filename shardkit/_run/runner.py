@@ -251,7 +251,7 @@ def _search_shorter(
 
 
 def fuzz(
-    target: str | EngineFactory | ResolvedTarget,
+    target: str | EngineFactory | ResolvedTarget | None = None,
     options: FuzzOptions | None = None,
     *,
     seed: int,
@@ -263,7 +263,7 @@ def fuzz(
     its fields may also be given by name: ``fuzz(target, seed=1, examples=500)``); on a
     failure, minimise it further by replay (unless ``minimize`` is False) and write its
     trace and regression test under ``out`` (if given). The worker processes an isolated
-    run starts end with it."""
+    run starts end with it. ``target`` is None when the options name a ``worker_command``."""
     options = FuzzOptions.from_fields(options, changes)
     machine = build_machine(target, **options.machine_options())
     isolation = machine.target.isolation

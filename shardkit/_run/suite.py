@@ -64,7 +64,7 @@ class SuiteOverrides:
 
 
 def machine_for(
-    target_or_factory: str | EngineFactory | ResolvedTarget,
+    target_or_factory: str | EngineFactory | ResolvedTarget | None = None,
     *,
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
@@ -77,6 +77,7 @@ def machine_for(
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
     concurrency: int = 1,
+    worker_command: str | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model; collect
     its ``TestCase`` with pytest.
@@ -91,7 +92,11 @@ def machine_for(
     ``worker_memory_mb`` limits; ``step_timeout`` also applies to a remote target.
     ``concurrency`` of 2 or 3 ends examples with that many lanes of calls sent to the
     engine at the same time, checked for linearizability (docs/contract.md#linearizability);
-    the engine must declare ``concurrent_calls`` in its capabilities.
+    the engine must declare ``concurrent_calls`` in its capabilities. ``worker_command``
+    names the engine instead of ``target_or_factory``: a command, in any language, that
+    serves contract v1 on the address the kit puts in its ``{address}``; the kit starts it
+    as isolated workers, whose deaths are failures like an isolated engine's
+    (docs/any-language.md).
     """
     return build_machine(
         target_or_factory,
@@ -108,6 +113,7 @@ def machine_for(
         suite_runner=run_as_test,
         concurrency=concurrency,
         fuzzer_failures=keep_fuzzer_failures,
+        worker_command=worker_command,
     )
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit._core.driver import StepRecord, Violation
 from shardkit._core.importing import FILE_MODULE_PREFIX
-from shardkit._core.targets import IsolationOptions, is_remote_address
+from shardkit._core.targets import IsolationOptions, is_remote_address, worker_command_of
 from shardkit._version import __version__
 from shardkit.contract import LoadRequest
 
@@ -121,10 +121,10 @@ def code_location(name: str) -> dict[str, str]:
 
     ``{"file": ABSOLUTE}`` for ``path/to/file.py:attr``, ``{"path": SYS_PATH_ENTRY}`` for a
     ``module:attr`` whose module is a file on the import path, ``{}`` otherwise (a remote
-    address, a bundled shardkit engine, a built-in module). Imports nothing.
+    address, a worker command, a bundled shardkit engine, a built-in module). Imports nothing.
     """
     module, colon, attr = name.rpartition(":")
-    if not colon or not module or not attr or is_remote_address(name):
+    if not colon or not module or not attr or is_remote_address(name) or worker_command_of(name) is not None:
         return {}
     if module.endswith(".py"):
         return {"file": str(Path(module).resolve())}

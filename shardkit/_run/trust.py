@@ -30,6 +30,12 @@ piece, apart from the parser below it and the driver above it.
   Anything else stops the replay with ``UntrustedTarget`` (exit 2), which names the
   target, where its code is, and the fixes: run replay from the project folder, pass
   ``--trust``, or name the engine with ``--engine``.
+* **A recorded worker command runs only a program of the project's.** A trace of a
+  ``--worker-command`` run names the command; replay starts it only if its program is a
+  file inside the current project (given with a ``/``, as ``build/my_worker``), and not a
+  program found on ``PATH`` (``python3``, ``sh``, ``docker``), whose arguments could make
+  it do anything; otherwise the user chooses: ``--trust``, or ``--worker-command CMD``
+  (``target=worker_command_target(CMD)``).
 * **Remote targets connect rather than run code here.** ``unix:PATH`` and ``grpc://``
   on a loopback address (``localhost``, ``127.0.0.0/8``, ``[::1]``) replay as recorded;
   ``grpc://`` to any other host needs ``--trust`` or ``--engine``, so that a trace
@@ -50,7 +56,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import is_loopback, is_remote_address
+from shardkit._core.targets import display_name, is_loopback, is_remote_address, worker_command_argv, worker_command_of
 from shardkit._run.trace import find_module_spec
 from shardkit._run.trace_reader import Trace
 from shardkit._transport.resolve import resolve_target
@@ -59,7 +65,9 @@ from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
 __all__ = ["Admitted", "admit", "build_recorded_machine", "file_target_outside_project", "resolve_admitted"]
 
-_ROLE_WORDS = MappingProxyType({"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"})
+_ROLE_WORDS = MappingProxyType(
+    {"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"}
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ class Admitted:
 
     def describe(self) -> str:
         where = f"; code in {self.origin}" if self.origin is not None and str(self.origin) not in self.recorded else ""
-        return f"{self.recorded} (recorded in the trace{where})"
+        return f"{display_name(self.recorded)} (recorded in the trace{where})"
 
 
 def _project() -> Path:
@@ -103,7 +111,33 @@ def file_target_outside_project(name: str) -> bool:
     """Whether ``name`` is a ``path/to/file.py:attr`` target whose file replay would not
     build unless the user names it (``--engine``), as it lies outside the current project."""
     module, colon, attr = name.rpartition(":")
-    return bool(colon and attr) and module.endswith(".py") and Path(module).is_file() and not _inside_project(Path(module))
+    return (
+        bool(colon and attr) and module.endswith(".py") and Path(module).is_file() and not _inside_project(Path(module))
+    )
+
+
+def _admit_worker_command(trace: Trace, role: str, name: str, command: str, trust: bool) -> Admitted:
+    try:
+        program = worker_command_argv(command)[0]
+    except InvalidTarget as error:
+        raise TraceFormatError(f"{trace.path}: the recorded worker command is not valid: {error}") from None
+    if trust:
+        return Admitted(role, name, name, trusted=True)
+    path = Path(program)
+    if "/" not in program:
+        where = f"the program {program!r}, found on PATH, which could run anything with its arguments"
+    elif not path.is_file():
+        where = f"the program {program!r}, which is not a file here"
+    elif not _inside_project(path):
+        where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
+    else:
+        return Admitted(role, name, name, origin=path.resolve())
+    fixes = (
+        "run shardkit replay from the project folder that holds the program, pass --trust (trust=True) to run "
+        "the recorded command anyway, or name the worker's command yourself with --worker-command CMD"
+    )
+    message = f"{trace.path} names the worker command {command!r}, which runs {where}; {fixes}"
+    raise UntrustedTarget(message)
 
 
 def _bundled(module: str) -> bool:
@@ -123,6 +157,9 @@ def _untrusted(trace: Trace, role: str, name: str, where: str) -> UntrustedTarge
 
 def admit(trace: Trace, role: str, name: str, trust: bool) -> Admitted:
     """Decide whether replay may build the recorded ``name`` (see the module docstring); imports nothing."""
+    command = worker_command_of(name)
+    if command is not None:
+        return _admit_worker_command(trace, role, name, command, trust)
     if is_remote_address(name):
         if not (trust or _local_address(name)):
             raise _untrusted(trace, role, name, "a server on another machine")
@@ -230,8 +267,8 @@ def _import_admitted(admitted: Admitted) -> None:
 
 def resolve_admitted(trace: Trace, admitted: Admitted) -> object:
     """Import an admitted name and return the object it names, checked to be what its role builds
-    (None for a remote address, which imports nothing)."""
-    if is_remote_address(admitted.name):
+    (None for a remote address or a worker command, which import nothing)."""
+    if is_remote_address(admitted.name) or worker_command_of(admitted.name) is not None:
         return None
     _import_admitted(admitted)
     if admitted.role in ("target", "reference"):

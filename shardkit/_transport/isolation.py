@@ -5,7 +5,9 @@ memory exhaustion). ``isolated_target`` wraps a Python engine target so every en
 builds lives in a child ``shardkit serve --worker`` process (see ``worker.py``); when the
 child dies, misses a call's deadline or answers garbage, the driver asks the isolation
 what happened (``death``) and reports it as an ordinary step failure, and the next engine
-comes from a fresh child. ``target_with_options`` is what the commands call: a target
+comes from a fresh child. A foreign worker command (``--worker-command``, a target named
+by ``worker_command_target``) is isolated the same way, always: its engines live in the
+processes the command starts. ``target_with_options`` is what the commands call: a target
 resolved, isolated if asked, with the deadline of its calls set.
 
 What the driver, the runner and the trace need to know about isolation (``Isolation``,
@@ -22,6 +24,7 @@ from shardkit._core.targets import (
     IsolationOptions,
     ResolvedTarget,
     is_remote_address,
+    worker_command_of,
 )
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import InvalidTarget
@@ -38,6 +41,8 @@ def isolated_target(
     ``file.py:attr`` target (a factory defined at module level will do, not a lambda);
     the child sees the parent's ``sys.path``. Needs the ``grpc`` extra.
     """
+    if isinstance(target, str) and worker_command_of(target) is not None:
+        return _in_workers(target, options)
     resolved = resolve_target(target)
     if resolved.isolation is not None:
         if options is not None and options != resolved.isolation.options:
@@ -55,10 +60,15 @@ def isolated_target(
         )
         raise InvalidTarget(message)
     resolve_target(name)  # the child will import it by this name: refuse a name that does not import here
+    return _in_workers(name, options)
+
+
+def _in_workers(name: str, options: IsolationOptions | None) -> ResolvedTarget:
     try:
         from shardkit._transport.worker import WorkerPool
     except ImportError as error:
-        message = f"--isolate needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+        flag = "--worker-command" if worker_command_of(name) is not None else "--isolate"
+        message = f"{flag} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise InvalidTarget(message) from error
     pool = WorkerPool(name, options or IsolationOptions())
     return ResolvedTarget(name, pool.new_engine, isolation=pool)
@@ -75,8 +85,10 @@ def target_with_options(
 
     ``step_timeout`` applies to an isolated engine or a remote (``grpc://``, ``unix:``)
     one; ``worker_memory_mb`` only to an isolated one. An option that cannot apply is an
-    error, never silently ignored.
+    error, never silently ignored. A worker command's target is always isolated.
     """
+    if not isolate and worker_command_of(getattr(target, "name", target)) is not None:
+        isolate = True
     if isinstance(isolate, IsolationOptions):
         if step_timeout is not None or worker_memory_mb is not None:
             message = "pass step_timeout and worker_memory_mb inside the IsolationOptions, not beside them"

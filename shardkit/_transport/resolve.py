@@ -11,7 +11,7 @@ resolve what it serves.
 
 from __future__ import annotations
 
-from shardkit._core.targets import EngineFactory, ResolvedTarget, import_target, is_remote_address
+from shardkit._core.targets import EngineFactory, ResolvedTarget, import_target, is_remote_address, worker_command_of
 from shardkit.errors import InvalidTarget
 
 __all__ = ["resolve_target"]
@@ -21,7 +21,16 @@ def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarg
     """Turn a target string or a factory into a checked ``ResolvedTarget``.
 
     ``grpc://HOST:PORT`` and ``unix:PATH`` name a remote engine server (the ``grpc`` extra):
-    each call of the target asks the server there for a fresh engine."""
+    each call of the target asks the server there for a fresh engine. A worker command's
+    target (``worker_command_target``) is refused: its engines live in processes the kit
+    starts, which is isolation's (``shardkit._transport.isolation.target_with_options``)."""
+    command = worker_command_of(target)
+    if command is not None:
+        message = (
+            f"the worker command {command!r} names only the engine under test (--worker-command, worker_command=), "
+            "not a reference or a served engine: for those, serve the worker yourself and name its unix: address"
+        )
+        raise InvalidTarget(message)
     if isinstance(target, str) and is_remote_address(target):
         try:
             from shardkit._transport.client import remote_target

@@ -17,6 +17,14 @@ cannot fork (it died, or importing the target started threads a fork would not c
 the pool starts each worker as a fresh interpreter instead, as it always did, and says
 why in ``fork_note``.
 
+A *foreign* worker (``--worker-command``: an engine in C++, Rust, Go…) is the user's
+command, started for each worker with ``{address}`` replaced by the worker's own Unix
+socket, in its own process group, its output kept like a Python worker's. It is ready
+once its socket accepts a connection; ``--worker-memory`` caps it with RLIMIT_DATA set
+by a small exec shim before the command runs (the same process, so the same pid and
+exit status). Nothing is forked for it, and the exit codes a Python worker gives an
+engine's exception (70, 71) mean nothing special from it.
+
 When a call fails, ``death`` finds out how the child ended: a signal or an exit
 code, read from the process itself (for a forked worker, as its waiter reports it), or a
 missed deadline or a garbage answer, after which the child is killed since it can no
@@ -32,6 +40,7 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +48,14 @@ import threading
 import time
 from pathlib import Path
 
-from shardkit._core.targets import IsolationOptions, ProcessDeath
+from shardkit._core.targets import (
+    WORKER_ADDRESS_FIELD,
+    IsolationOptions,
+    ProcessDeath,
+    display_name,
+    worker_command_argv,
+    worker_command_of,
+)
 from shardkit._transport.client import RemoteShardEngine, close_connection
 from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
 from shardkit._transport.forkserver import ForkedProcess, ForkServer, ForkUnavailable
@@ -66,16 +82,28 @@ _DUMP_SECONDS = 1.0
 _TAIL_BYTES = 16_384
 #: What a native allocator prints when a memory limit refuses it.
 _MEMORY_SIGNS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "out of memory", "pthread_create failed")
+#: Runs a foreign worker command under --worker-memory: sets RLIMIT_DATA, then becomes the command.
+_LIMIT_THEN_EXEC = (
+    "import os, resource, sys\n"
+    "limit = int(sys.argv[1]) * 2**20\n"
+    "_, hard = resource.getrlimit(resource.RLIMIT_DATA)\n"
+    "resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 class _Worker:
     """One child process serving on ``url``, its output kept in ``log_path``: forked from the
     pool's zygote (``ForkedProcess``) or a fresh interpreter (``Popen``)."""
 
-    def __init__(self, url: str, log_path: Path, process: subprocess.Popen[bytes] | ForkedProcess) -> None:
+    def __init__(
+        self, url: str, log_path: Path, process: subprocess.Popen[bytes] | ForkedProcess, *, foreign: bool = False
+    ) -> None:
         self.url = url
         self.log_path = log_path
         self.process = process
+        #: Started from a --worker-command: not shardkit's own server, so it is told ready by its socket.
+        self.foreign = foreign
         self.death: ProcessDeath | None = None
 
     @property
@@ -88,8 +116,7 @@ class _Worker:
     def wait_ready(self, target: str) -> None:
         deadline = time.monotonic() + START_SECONDS
         while True:
-            # `shardkit serve` prints "serving TARGET on URL" once it listens.
-            if b"serving " in self.log_path.read_bytes()[:_TAIL_BYTES]:
+            if self._serving():
                 return
             code = self.process.poll()
             if code is not None:
@@ -99,8 +126,22 @@ class _Worker:
             if time.monotonic() > deadline:
                 self.kill()
                 message = f"the worker process for {target} did not start serving within {START_SECONDS:g} s"
+                if self.foreign:
+                    message += f": a worker command must serve contract v1 on the address given in {WORKER_ADDRESS_FIELD} ({self.url})"
                 raise InvalidTarget(message)
             time.sleep(0.005)
+
+    def _serving(self) -> bool:
+        if not self.foreign:
+            # `shardkit serve` prints "serving TARGET on URL" once it listens.
+            return b"serving " in self.log_path.read_bytes()[:_TAIL_BYTES]
+        # Any other server: listening once its socket takes a connection.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(self.url.removeprefix("unix:"))
+            except OSError:
+                return False
+            return True
 
     def exit_code(self, grace: float) -> int | None:
         """The exit code (negative: the signal) once the process ends, None if it lives on."""
@@ -121,6 +162,8 @@ class _Worker:
 
     def dump_stacks(self) -> None:
         """Have the worker print where each of its threads is (faulthandler, on SIGUSR1)."""
+        if self.foreign:
+            return  # SIGUSR1 means nothing agreed to another program; by default it ends it
         size = self.log_path.stat().st_size
         with contextlib.suppress(ProcessLookupError):
             self.process.send_signal(signal.SIGUSR1)
@@ -131,7 +174,11 @@ class _Worker:
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+            if self.foreign and self.process.poll() is None:
+                # Its own process group: a command that started helpers (a shell, a launcher) leaves none.
+                os.killpg(self.process.pid, signal.SIGKILL)
+            else:
+                self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(_KILLED_SECONDS)
         self._release()
@@ -146,7 +193,13 @@ class _Worker:
                 text = log.read().decode("utf-8", "replace")
         except OSError:
             return ()
-        lines = [line.rstrip() for line in text.splitlines() if line.strip() and not line.startswith("serving ")]
+        # Not the line saying where it listens ("serving … on URL", a foreign worker's own wording).
+        address = self.url.removeprefix("unix:")
+        lines = [
+            line.rstrip()
+            for line in text.splitlines()
+            if line.strip() and not line.startswith("serving ") and address not in line
+        ]
         for index in range(max(0, len(lines) - 40), len(lines)):
             if lines[index].startswith("Fatal Python error"):
                 # faulthandler: the header, then the crashing thread's innermost frames.
@@ -161,6 +214,9 @@ class WorkerPool:
     def __init__(self, target: str, options: IsolationOptions) -> None:
         self.target = target
         self.options = options
+        command = worker_command_of(target)
+        #: A foreign worker's command (--worker-command), its address still a field; None for a Python target.
+        self._foreign = worker_command_argv(command) if command is not None else None
         self._folder = Path(tempfile.mkdtemp(prefix="shardkit-worker-"))
         self._numbers = itertools.count(1)
         self._current: _Worker | None = None
@@ -212,7 +268,7 @@ class WorkerPool:
             death = self.death(error)
             if death is None:
                 raise
-            message = f"the worker process for {self.target} {death.summary} while building an engine"
+            message = f"the worker process for {display_name(self.target)} {death.summary} while building an engine"
             message += death.quoted_tail()
             raise InvalidTarget(message) from error
 
@@ -230,7 +286,7 @@ class WorkerPool:
             worker, self._spare = self._spare or self._start(), None
             self._current = worker
             try:
-                worker.wait_ready(self.target)
+                worker.wait_ready(display_name(self.target))
             except InvalidTarget:
                 # No worker of this target serves (a --worker-memory too low, say): leave no process behind.
                 self._stop_every_process()
@@ -245,6 +301,10 @@ class WorkerPool:
         url = f"unix:{self._folder / f'worker-{number}.sock'}"
         log_path = self._folder / f"worker-{number}.log"
         log_path.write_bytes(b"")  # read (wait_ready, tail) before the worker writes a line
+        if self._foreign is not None:
+            worker = _Worker(url, log_path, self._spawn_foreign(url, log_path), foreign=True)
+            self._by_url[url] = worker
+            return worker
         process = self._fork(number, url, log_path) or self._spawn(url, log_path)
         worker = _Worker(url, log_path, process)
         self._by_url[url] = worker
@@ -293,6 +353,27 @@ class WorkerPool:
                 start_new_session=True,
             )
 
+    def _spawn_foreign(self, url: str, log_path: Path) -> subprocess.Popen[bytes]:
+        """A foreign worker: the user's command with ``{address}`` made this worker's socket."""
+        assert self._foreign is not None
+        command = [word.replace(WORKER_ADDRESS_FIELD, url) for word in self._foreign]
+        if self.options.worker_memory_mb is not None:
+            command = [sys.executable, "-S", "-c", _LIMIT_THEN_EXEC, str(self.options.worker_memory_mb), *command]
+        try:
+            with log_path.open("wb") as log:
+                # stdin stays open while the kit runs: a worker that exits at its end leaves nothing behind.
+                return subprocess.Popen(
+                    command,
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self._environment(),
+                    start_new_session=True,
+                )
+        except OSError as error:
+            message = f"the worker command {worker_command_of(self.target)!r} could not be started: {error}"
+            raise InvalidTarget(message) from error
+
     def _stop_every_process(self) -> None:
         """Kill every worker and end the zygote; a later engine starts them again."""
         for worker in self._by_url.values():
@@ -336,16 +417,16 @@ class WorkerPool:
                 return ProcessDeath("connection lost", summary, worker.tail())
             return ProcessDeath("garbage answer", f"answered garbage: {error} (the kit killed it)", worker.tail())
         close_connection(worker.url)
-        return self._exit_death(code, worker.tail())
+        return self._exit_death(code, worker.tail(), shardkit_worker=not worker.foreign)
 
-    def _exit_death(self, code: int, tail: tuple[str, ...]) -> ProcessDeath:
+    def _exit_death(self, code: int, tail: tuple[str, ...], *, shardkit_worker: bool) -> ProcessDeath:
         limit = self.options.worker_memory_mb
-        if code == EXIT_OUT_OF_MEMORY or (
+        if (shardkit_worker and code == EXIT_OUT_OF_MEMORY) or (
             limit is not None and any(sign in line for line in tail for sign in _MEMORY_SIGNS)
         ):
             within = f" within --worker-memory {limit} MB" if limit is not None else ""
             return ProcessDeath("worker memory", f"ran out of memory{within} ({_exit_text(code)})", tail)
-        if code == EXIT_ENGINE_RAISED:
+        if shardkit_worker and code == EXIT_ENGINE_RAISED:
             raised = next((line.partition(" raised ")[2] for line in reversed(tail) if " raised " in line), "")
             return ProcessDeath(
                 "unexplained exception", f"exited after the engine raised {raised or 'an exception'}", tail

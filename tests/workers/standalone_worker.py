@@ -12,6 +12,12 @@ malformed_output and crash at its client's boundary.
     python tests/workers/standalone_worker.py [--listen 127.0.0.1:0] [--proto-dir DIR]
 
 prints ``listening on grpc://HOST:PORT`` (or ``unix:PATH``) once it serves.
+
+``--plant cancel-keeps-kv`` plants a bug (cancel leaves the session's KV tokens counted),
+``--plant abort-on-restart`` a native-style death (``os.abort()``, SIGABRT, when a
+session is restarted at a newer epoch) and ``--plant hang-on-release`` a hang (release
+of a session that exists never answers): the tests of ``--worker-command`` find, shrink
+and replay them through workers the kit starts.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class Session:
     last_request: tuple[str, int, int, tuple[int, ...]]  # (operation, epoch, step, token ids)
     last_result: Any  # the pb StepResult it returned
     cancelled: bool = False
+
+
+#: The bugs --plant turned on (see the module docstring).
+PLANTED: set[str] = set()
+PLANTS = ("cancel-keeps-kv", "abort-on-restart", "hang-on-release")
 
 
 class HashEngine:
@@ -184,6 +195,8 @@ class HashEngine:
             return self.refusal("RESOURCE_EXHAUSTED", "no free session slot", retryable=True)
         used = sum(other.kv_tokens for other in self.sessions.values())
         if session is not None and not continues:
+            if "abort-on-restart" in PLANTED:
+                os.abort()
             used -= session.kv_tokens  # an admitted restart gives its old epoch's tokens back
         if used + len(tokens) > MAX_KV_TOKENS:
             return self.refusal("RESOURCE_EXHAUSTED", "not enough KV cache", retryable=True)
@@ -217,12 +230,16 @@ class HashEngine:
             return self.status("NOT_FOUND", f"cancel: no session {session_id!r} at epoch {epoch}")
         if epoch < session.epoch:
             return self.status("ABORTED", f"cancel: stale epoch {epoch}, the session is at {session.epoch}")
-        session.cancelled, session.kv_tokens = True, 0
+        session.cancelled = True
+        if "cancel-keeps-kv" not in PLANTED:
+            session.kv_tokens = 0
         return self.status("OK")
 
     def release(self, session_id: str) -> Any:
         if self.seed is None:
             return self.status("UNAVAILABLE", "release before load")
+        if "hang-on-release" in PLANTED and session_id in self.sessions:
+            threading.Event().wait()
         self.sessions.pop(session_id, None)
         return self.status("OK")
 
@@ -309,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (0 picks a free port) or unix:PATH")
     parser.add_argument("--proto-dir", type=Path, default=DEFAULT_PROTO_DIR, help="where the generated stubs are")
+    parser.add_argument("--plant", action="append", choices=PLANTS, default=[], help="plant a bug (for the kit's own tests)")
     args = parser.parse_args(argv)
+    PLANTED.update(args.plant)
     pb, pb_grpc = load_stubs(args.proto_dir)
     leaked = sorted(name for name in sys.modules if name == "shardkit" or name.startswith("shardkit."))
     if leaked:
