@@ -8,6 +8,7 @@ state, so the machine, the static contract and replay all share them.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from shardkit._core.model import StepRequest, input_length
+from shardkit._core.steps import row_codes_of, row_kinds_text
 from shardkit.contract import (
     OUTPUT_BOUNDARY_POINT,
     RESIDUAL_TENSOR,
@@ -38,6 +40,10 @@ __all__ = [
 ]
 
 
+#: What the messages of a non-finite answer start with.
+NON_FINITE = "non-finite"
+
+
 def output_problems(caps: EngineCapabilities, request: StepRequest, result: StepResult) -> list[str]:
     """Everything wrong with ``result`` as an answer to the well-formed ``request``."""
     if not result.status.ok:
@@ -48,6 +54,11 @@ def output_problems(caps: EngineCapabilities, request: StepRequest, result: Step
             return [f"a {caps.role} must return a TokenOutput, returned {type(output).__name__}"]
         if not 0 <= output.token_id < caps.vocab_size:
             return [f"token id {output.token_id} is outside the vocabulary [0, {caps.vocab_size})"]
+        if output.margin is not None and not math.isfinite(output.margin):
+            # The top-1 minus top-2 logit of finite logits is finite: the logits were not.
+            return [
+                f"margin is {output.margin!r}: the logits it was taken from were not finite{_after_input(caps, request)}"
+            ]
         return []
     if not isinstance(output, BoundaryBundle):
         return [f"a {caps.role} must return a BoundaryBundle, returned {type(output).__name__}"]
@@ -66,7 +77,7 @@ def _bundle_problems(caps: EngineCapabilities, request: StepRequest, bundle: Bou
     if echoed != asked:
         problems.append(f"bundle echoes (session, epoch, step) {echoed!r}, the request was {asked!r}")
     rows = input_length(request)
-    problems += _residual_problems(caps, bundle, rows)
+    problems += [problem + _after_input(caps, request, problem) for problem in _residual_problems(caps, bundle, rows)]
     expected_sideband = _expected_sideband(caps, request)
     if bundle.token_id_sideband != expected_sideband:
         problems.append(f"sideband is {bundle.token_id_sideband!r}, expected {expected_sideband!r}")
@@ -90,9 +101,27 @@ def _residual_problems(caps: EngineCapabilities, bundle: BoundaryBundle, rows: i
     expected_bytes = rows * caps.hidden_size * dtype.itemsize
     if len(tensor.data) != expected_bytes:
         return [f"residual holds {len(tensor.data)} bytes, shape {tensor.shape} needs {expected_bytes}"]
-    if not np.isfinite(_rows(tensor.data, dtype, tensor.shape)).all():
-        return ["residual holds a non-finite value"]
+    values = _rows(tensor.data, dtype, tensor.shape)
+    finite = np.isfinite(values)
+    if not finite.all():
+        row, column = (int(index) for index in np.argwhere(~finite)[0])
+        return [f"residual holds a non-finite value ({values[row, column]} at row {row + 1}, column {column + 1})"]
     return []
+
+
+def _after_input(caps: EngineCapabilities, request: StepRequest, problem: str = NON_FINITE) -> str:
+    """For a non-finite answer to an input of extreme values: what the input held, and that it
+    was legal. The kit's bundles name their rows (``row_codes_of``); "" for any other problem."""
+    bundle = request.bundle
+    if NON_FINITE not in problem or bundle is None or bundle.token_id_sideband is None or len(bundle.tensors) != 1:
+        return ""
+    held = row_kinds_text(row_codes_of(caps, bundle.tensors[0].data, bundle.token_id_sideband), caps.dtype)
+    if not held:
+        return ""
+    return (
+        f", after an input whose {held}: finite input, which the engine must answer with finite values "
+        "(an engine that squares a row in its dtype overflows there: docs/contract.md#extreme-values)"
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,7 +17,7 @@ from typing import TypeVar
 from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
-from shardkit._core.steps import Action
+from shardkit._core.steps import Action, row_codes_of
 from shardkit._core.targets import ResolvedTarget, passes_through, short_name
 from shardkit._core.twins import (
     EAGER_TOKENS,
@@ -45,15 +45,17 @@ LEAKY_RECOMPUTE = (
 )
 
 
-def flat_history(session: SessionState) -> tuple[int, ...]:
-    """The session epoch's inputs as token ids: the kit builds every bundle from
-    token ids and sends them as its sideband, so the sideband names each row."""
+def flat_history(session: SessionState, caps: EngineCapabilities | None = None) -> tuple[int, ...]:
+    """The session epoch's inputs as row codes (``shardkit._core.steps``): token ids, and for
+    a bundle the codes of its rows, which the kit built from them; a token's ordinary and
+    extreme rows share its id in the sideband, so the rows name the history. Without
+    ``caps`` a bundle's rows count as its sideband's tokens."""
     tokens: list[int] = []
     for chunk in session.history:
         if chunk and isinstance(chunk[0], bytes):
             sideband = chunk[1]
             assert isinstance(sideband, tuple)
-            tokens.extend(sideband)
+            tokens.extend(sideband if caps is None else row_codes_of(caps, chunk[0], sideband))
         else:
             tokens.extend(chunk)
     return tuple(tokens)
@@ -133,7 +135,7 @@ class OutputChecks(StepContext):
         injected corruption is due) lets no near-tie token flip: rounding noise within
         tolerance is not a detection, a wrong token always is."""
         session = self.model.sessions[request.session_id]
-        history = flat_history(session)  # ends with this request's input, retried or not
+        history = flat_history(session, self.caps)  # ends with this request's input, retried or not
         count = input_length(request)
         assert result.output is not None
         payloads = payloads_of(result.output, count)

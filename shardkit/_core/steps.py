@@ -5,6 +5,12 @@ of a malformation). The request it stands for is rebuilt from those values and
 the engine's capabilities by ``build_request``: inputs for middle and tail
 shards are bundles whose rows the kit synthesises from token ids, so the kit
 knows every history, and a trace never needs to store tensor bytes.
+
+A row is named by a **row code**: a token id (>= 0) names the token's ordinary row, and a
+negative code (``row_code``) names the same token's row of one of the ``ROW_KINDS`` at the
+edges of the dtype's finite range (near its largest value, subnormal, signed zeros, or all of
+them side by side). A step's ``tokens`` and a history hold row codes; the bundle's sideband
+holds the token ids alone.
 """
 
 from __future__ import annotations
@@ -34,11 +40,16 @@ __all__ = [
     "BUNDLE_MALFORMATIONS",
     "COMMON_MALFORMATIONS",
     "PARALLEL_OP",
+    "ROW_KINDS",
     "TOKEN_MALFORMATIONS",
     "Action",
     "build_request",
     "malformations_for",
     "phase_action",
+    "row_code",
+    "row_codes_of",
+    "row_kinds_text",
+    "split_row_code",
     "step_note",
     "synthetic_bundle",
     "synthetic_rows",
@@ -70,7 +81,7 @@ class Action:
                 for lane, actions in enumerate(self.args["lanes"])
             )
             return f"{PARALLEL_OP}({lanes})"
-        shown = ", ".join(f"{key}={_show(value)}" for key, value in self.args.items() if value is not None)
+        shown = ", ".join(f"{key}={_show(value)}" for key, value in _shown_args(self.args).items() if value is not None)
         note = f"  # {self.note}" if self.note else ""
         return f"{self.op}({shown}){note}"
 
@@ -86,6 +97,24 @@ def phase_action(lanes: Sequence[Sequence[Action]]) -> Action:
     """A parallel phase as one step: its lanes, each a list of steps sent one after another,
     the lanes at the same time (``shardkit._parallel.phase`` runs it)."""
     return Action(PARALLEL_OP, {"lanes": tuple(tuple(lane) for lane in lanes)})
+
+
+def _shown_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The arguments as a step prints them: row codes as their token ids, and what the rows
+    hold beside them (``rows='huge'``) when some are not ordinary."""
+    tokens = args.get("tokens")
+    if not isinstance(tokens, tuple) or not tokens or min(tokens) >= 0:
+        return args
+    split = [split_row_code(code) for code in tokens]
+    kinds = [ROW_KINDS[kind] for _, kind in split]
+    rows: object = kinds[0] if len(set(kinds)) == 1 else tuple(kinds)
+    shown: dict[str, Any] = {}
+    for key, value in args.items():
+        if key == "tokens":
+            shown.update(tokens=tuple(token for token, _ in split), rows=rows)
+        else:
+            shown[key] = value
+    return shown
 
 
 def _show(value: object) -> str:
@@ -145,40 +174,170 @@ def step_note(action: Action, session: SessionState | None) -> str:
 
 
 def _same_input(action: Action, last: StepRequest) -> bool:
-    """Whether ``action`` repeats ``last`` (the kit builds a bundle's rows from its sideband)."""
+    """Whether ``action`` repeats ``last`` (a bundle's rows are those of the action's row codes)."""
     if (action.op == "prefill") != isinstance(last, PrefillRequest):
         return False
-    sent = last.token_ids if last.token_ids is not None else last.bundle.token_id_sideband if last.bundle else None
-    return sent == tuple(action.args["tokens"])
+    codes = tuple(action.args["tokens"])
+    if last.token_ids is not None:
+        return last.token_ids == codes
+    if last.bundle is None or len(last.bundle.tensors) != 1:
+        return False
+    tensor = last.bundle.tensors[0]
+    if len(tensor.shape) != 2 or tensor.shape[0] != len(codes):
+        return False
+    return tensor.data == _rows_data(tensor.shape[1], tensor.dtype, codes)
+
+
+#: What the rows of a middle's or tail's input hold, by kind. Kind 0 is the ordinary row
+#: (values in [-1, 1]); the others sit at the edges of the dtype's finite range, every value
+#: finite and representable in the dtype, so a bundle of them is legal input (contract §2
+#: rule 2 refuses non-finite values only) and the engine must serve it.
+ROW_KINDS = ("ordinary", "huge", "subnormal", "zero", "mixed")
+_EXTREME_KINDS = len(ROW_KINDS) - 1
+#: A "huge" value's magnitude, as a fraction of the dtype's largest finite value: float32's
+#: ±2.9e38 to ±3.0e38. Below the largest, so that a layer that adds a bounded update to the
+#: residual stream (every pre-norm transformer) still has a representable answer.
+HUGE_FRACTIONS = (0.85, 0.88)
+
+
+def row_code(token: int, kind: int) -> int:
+    """The row code of ``token``'s row of kind ``ROW_KINDS[kind]``: the token id itself for
+    the ordinary row, a negative number for the others (``split_row_code`` inverts it)."""
+    if not 0 <= kind <= _EXTREME_KINDS:
+        message = f"row kind {kind} is not one of 0..{_EXTREME_KINDS} ({', '.join(ROW_KINDS)})"
+        raise ValueError(message)
+    return token if kind == 0 or token < 0 else -(token * _EXTREME_KINDS + kind)
+
+
+def split_row_code(code: int) -> tuple[int, int]:
+    """(token id, kind) of a row code."""
+    if code >= 0:
+        return code, 0
+    rest = -code - 1
+    return rest // _EXTREME_KINDS, rest % _EXTREME_KINDS + 1
+
+
+def row_kinds_text(codes: Sequence[int], dtype: str = "float32") -> str:
+    """What the extreme rows among ``codes`` hold, in words ("" when every row is ordinary):
+    ``row 1 of 1 holds values of ±2.9e38 to ±3.0e38 (the largest finite float32 is 3.4e38)``."""
+    kinds = [split_row_code(code)[1] for code in codes]
+    extreme = [index for index, kind in enumerate(kinds) if kind]
+    if not extreme:
+        return ""
+    first, last = extreme[0] + 1, extreme[-1] + 1
+    where = f"row {first} of {len(codes)} holds" if first == last else f"rows {first}-{last} of {len(codes)} hold"
+    what = " and ".join(dict.fromkeys(_KIND_TEXT[kinds[index]](dtype) for index in extreme))
+    return f"{where} {what}"
+
+
+def _finfo(dtype: str) -> np.finfo[Any] | None:
+    try:
+        numpy_dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return np.finfo(numpy_dtype) if np.issubdtype(numpy_dtype, np.floating) else None
+
+
+def _huge_text(dtype: str) -> str:
+    info = _finfo(dtype)
+    if info is None:
+        return "values near the dtype's largest"
+    low, high = (float(info.max) * fraction for fraction in HUGE_FRACTIONS)
+    return f"values of ±{_number(low)} to ±{_number(high)} (the largest finite {dtype} is {_number(float(info.max))})"
+
+
+def _subnormal_text(dtype: str) -> str:
+    info = _finfo(dtype)
+    if info is None:
+        return "subnormal values"
+    return f"subnormal values (±{_number(float(info.smallest_subnormal))} up to below ±{_number(float(info.tiny))})"
+
+
+def _number(value: float, digits: int = 2) -> str:
+    """``3e+38`` as ``3.0e38``: how the messages write a magnitude."""
+    mantissa, _, exponent = f"{value:.{digits - 1}e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+_KIND_TEXT: Mapping[int, Callable[[str], str]] = MappingProxyType(
+    {
+        1: _huge_text,
+        2: _subnormal_text,
+        3: lambda dtype: "only ±0.0 (-0.0 included)",
+        4: lambda dtype: f"{_huge_text(dtype)}, {_subnormal_text(dtype)}, ±0.0 and ordinary values side by side",
+    }
+)
 
 
 def synthetic_rows(caps: EngineCapabilities, tokens: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    """Rows a head could have produced for ``tokens``: finite, one per token, a
-    function of the token id alone, in the engine's dtype and hidden size."""
+    """Rows a head could have produced for ``tokens`` (row codes): finite, one per code, a
+    function of the code alone, in the engine's dtype and hidden size."""
     return _synthetic_rows(caps.hidden_size, caps.dtype, tokens)
 
 
 def _synthetic_rows(hidden_size: int, dtype: str, tokens: tuple[int, ...]) -> np.ndarray[Any, Any]:
     columns = np.arange(1, hidden_size + 1, dtype=np.float64)
-    # All rows in one call (a long chunk cost one numpy call per token); the same values.
-    scales = 0.618 + 0.137 * np.asarray(tokens, dtype=np.float64)
-    return np.sin(np.multiply.outer(scales, columns)).astype(dtype).reshape(len(tokens), hidden_size)
+    if not tokens or min(tokens) >= 0:
+        # All rows in one call (a long chunk cost one numpy call per token); the same values.
+        scales = 0.618 + 0.137 * np.asarray(tokens, dtype=np.float64)
+        return np.sin(np.multiply.outer(scales, columns)).astype(dtype).reshape(len(tokens), hidden_size)
+    split = [split_row_code(code) for code in tokens]
+    scales = 0.618 + 0.137 * np.asarray([token for token, _ in split], dtype=np.float64)
+    base = np.sin(np.multiply.outer(scales, columns)).reshape(len(tokens), hidden_size)
+    rows = base.copy()
+    info = _finfo(dtype)
+    if info is not None:  # a dtype with no finite range to reach the edges of keeps its ordinary rows
+        for index, (_, kind) in enumerate(split):
+            if kind:
+                rows[index] = _extreme_row(kind, base[index], info)
+    return rows.astype(dtype)
+
+
+def _extreme_row(kind: int, base: np.ndarray[Any, Any], info: np.finfo[Any]) -> np.ndarray[Any, Any]:
+    """The row of ``kind`` made from an ordinary row ``base`` (float64, values in [-1, 1]):
+    its signs, and magnitudes that vary with it, so that rows of different tokens differ."""
+    sign = np.where(base < 0, -1.0, 1.0)
+    magnitude = np.abs(base)
+    if kind == 1:  # huge: ±(0.85 to 0.88) × the largest finite value
+        low, high = HUGE_FRACTIONS
+        huge: np.ndarray[Any, Any] = sign * float(info.max) * (low + (high - low) * magnitude)
+        return huge
+    if kind == 2:  # subnormal: ±2**k × the smallest subnormal, k < nmant; the first is the smallest
+        exponents = np.minimum(np.floor(magnitude * info.nmant), info.nmant - 1)
+        exponents[0] = 0
+        subnormal: np.ndarray[Any, Any] = sign * float(info.smallest_subnormal) * np.exp2(exponents)
+        return subnormal
+    if kind == 3:  # zero: ±0.0, the first -0.0
+        zeros = np.copysign(0.0, sign)
+        zeros[0] = -0.0
+        return zeros
+    # mixed: huge, subnormal, zero and ordinary values in turn
+    row = base.copy()
+    for offset, part in enumerate((1, 2, 3)):
+        row[offset::4] = _extreme_row(part, base, info)[offset::4]
+    return row
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _synthetic_row(hidden_size: int, dtype: str, token: int) -> bytes:
-    """One token's row of ``synthetic_rows``, as ``EngineTensor`` data: the kit sends the same
+    """One row code's row of ``synthetic_rows``, as ``EngineTensor`` data: the kit sends the same
     tokens' rows many times (to the engine under test and each twin, one history growing by
-    a token a step), and a row is a function of the token alone."""
+    a token a step), and a row is a function of its code alone."""
     return EngineTensor.from_array(RESIDUAL_TENSOR, _synthetic_rows(hidden_size, dtype, (token,))).data
+
+
+def _rows_data(hidden_size: int, dtype: str, tokens: Sequence[int]) -> bytes:
+    return b"".join(_synthetic_row(hidden_size, dtype, token) for token in tokens)
 
 
 def synthetic_bundle(
     caps: EngineCapabilities, session: str, epoch: int, step: int, tokens: tuple[int, ...]
 ) -> BoundaryBundle:
-    """The post-head bundle the kit sends a middle or tail for ``tokens`` (rows from ``synthetic_rows``)."""
-    rows = b"".join(_synthetic_row(caps.hidden_size, caps.dtype, token) for token in tokens)
+    """The post-head bundle the kit sends a middle or tail for ``tokens`` (row codes; rows from
+    ``synthetic_rows``). Its sideband holds the token ids."""
+    rows = _rows_data(caps.hidden_size, caps.dtype, tokens)
     tensor = EngineTensor(RESIDUAL_TENSOR, np.dtype(caps.dtype).name, (len(tokens), caps.hidden_size), rows)
+    sideband = tokens if not tokens or min(tokens) >= 0 else tuple(split_row_code(code)[0] for code in tokens)
     return BoundaryBundle(
         session_id=session,
         epoch=epoch,
@@ -186,8 +345,33 @@ def synthetic_bundle(
         boundary_point=OUTPUT_BOUNDARY_POINT["head"],
         architecture=caps.architecture,
         tensors=(tensor,),
-        token_id_sideband=tokens,
+        token_id_sideband=sideband,
     )
+
+
+def row_codes_of(caps: EngineCapabilities, data: bytes, sideband: tuple[int, ...]) -> tuple[int, ...]:
+    """The row codes of a bundle the kit built (its rows' bytes and its sideband): the rows
+    name the history, not the sideband alone, which is the same for a token's ordinary and
+    extreme rows. A row the kit did not make counts as its token's."""
+    return _row_codes(caps.hidden_size, caps.dtype, data, sideband)
+
+
+@functools.lru_cache(maxsize=1 << 11)
+def _row_codes(hidden_size: int, dtype: str, data: bytes, sideband: tuple[int, ...]) -> tuple[int, ...]:
+    # Cached by the bytes the session's history holds (their hash is kept by the bytes object),
+    # so that the history of every step costs a look-up per chunk, not a comparison.
+    if not sideband or data == _rows_data(hidden_size, dtype, sideband):
+        return sideband
+    width = len(data) // len(sideband)
+    codes: list[int] = []
+    for index, token in enumerate(sideband):
+        row = data[index * width : (index + 1) * width]
+        kinds = range(len(ROW_KINDS)) if token >= 0 else range(1)
+        found = (
+            row_code(token, kind) for kind in kinds if _synthetic_row(hidden_size, dtype, row_code(token, kind)) == row
+        )
+        codes.append(next(found, token))
+    return tuple(codes)
 
 
 def build_request(action: Action, caps: EngineCapabilities) -> StepRequest:

@@ -20,7 +20,14 @@ from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name, worker_command_target
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
-from shardkit._machine.state_machine import FailureSink, ShardMachine, SuiteRunner, inject_fault, layer_range
+from shardkit._machine.state_machine import (
+    FailureSink,
+    ShardMachine,
+    SuiteRunner,
+    extreme_values,
+    inject_fault,
+    layer_range,
+)
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
@@ -141,6 +148,7 @@ def build_machine(
         **({"fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
         **({"inject_fault": inject_fault} if wanted else {}),
         # Only where bundles are sent: a head's or full shard's draws stay as they were.
+        **({"extreme_values": extreme_values} if role in (None, "middle", "tail") else {}),
         **(parallel_rules(concurrency, base) if concurrency > 1 else {}),
         "concurrency": concurrency,
     }

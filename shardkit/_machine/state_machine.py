@@ -34,10 +34,12 @@ from shardkit._core.output_checks import flat_history
 from shardkit._core.steps import (
     BEFORE_LOAD_CALLS,
     PARALLEL_OP,
+    ROW_KINDS,
     STEP_OPS,
     Action,
     malformations_for,
     phase_action,
+    row_code,
     step_action,
 )
 from shardkit._core.targets import ResolvedTarget
@@ -55,6 +57,7 @@ __all__ = [
     "ShardMachine",
     "SuiteRunner",
     "coverage_op",
+    "extreme_values",
     "fuzzing_machine",
     "inject_fault",
     "layer_range",
@@ -102,6 +105,9 @@ STEP_DELTAS = (1, 2, -2, 2**62)
 #: cancel (a restart that keeps the flag, a cancel that frees another session) went unseen.
 CANCEL_EPOCHS = (0, 0, 0, 0, 0, -1, 1, None)
 DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, however long
+#: The values of ``extreme_values``: 0 the ordinary rows, then a prefill of each extreme kind of
+#: ``ROW_KINDS`` in turn, then a decode of each (a bundle of one row).
+EXTREME_CHOICES = 1 + 2 * (len(ROW_KINDS) - 1)
 
 
 @dataclass(frozen=True)
@@ -600,10 +606,10 @@ class ShardMachine(RuleBasedStateMachine):
         return min(max(ladder[code % CHUNK_LADDER], 1), MAX_CHUNK)
 
     def history_tokens(self, session_id: str) -> tuple[int, ...]:
-        """The token ids a live session's epoch has accepted, in order (a bundle's sideband
-        for a middle or tail); () for an unknown id."""
+        """The token ids a live session's epoch has accepted, in order (for a middle or tail,
+        the row codes of its bundles: ``shardkit._core.steps.row_code``); () for an unknown id."""
         session = self.driver.model.sessions.get(session_id)
-        return flat_history(session) if session is not None else ()
+        return flat_history(session, self.driver.caps) if session is not None else ()
 
     def chunk(self, code: int, session: str | None = None, *, restarting: bool = False) -> tuple[int, ...]:
         """One integer names a chunk for ``session``: its length (``chunk_length``, code % 8)
@@ -768,6 +774,33 @@ class ShardMachine(RuleBasedStateMachine):
         if name in ("prefill", "decode"):
             args.update(epoch=0, step=0, tokens=(0,))
         self.run(Action("unloaded", args))
+
+
+# --- extreme values, added to a machine whose role takes bundles (middle, tail, or any) -----
+
+
+@step_rule(
+    session=st.integers(0, OPENING_CHOICES - 1), chunk=st.integers(0, 31), values=st.integers(0, EXTREME_CHOICES - 1)
+)
+def extreme_values(self: ShardMachine, session: int, chunk: int, values: int) -> None:
+    """The next prefill (``values`` 1-4) or decode (5-8) of a session, with bundle rows of one
+    of the extreme but finite kinds of ``ROW_KINDS`` (values near the dtype's largest,
+    subnormal, ±0.0, or all of them side by side): legal input the engine must serve with a
+    finite, deterministic answer (docs/contract.md#extreme-values). ``values`` 0 sends the
+    ordinary rows, so a failure that does not need extreme values shrinks to an ordinary step;
+    ``chunk`` names the chunk (or the decoded token) as ``prefill`` and ``decode`` do. A head or
+    full shard (an example of ``--role any`` may load one) takes token ids, with no values to
+    make extreme: the step does nothing there, so that it is no second way to spell a prefill
+    or a decode, which would leave shrinking two minimal sequences for one bug."""
+    if self.driver.caps.role not in ("middle", "tail"):
+        return
+    sid = self.session_id(session)
+    epoch, step = self.position(sid)
+    kinds = len(ROW_KINDS) - 1
+    op, kind = ("prefill", values) if values <= kinds else ("decode", values - kinds)
+    tokens = self.chunk(chunk, sid) if op == "prefill" else (self.token(chunk),)
+    tokens = tuple(row_code(token, kind) for token in tokens)
+    self.run(step_action(op, sid, epoch, step, tokens))
 
 
 # --- the fault rule, added to a machine only when it injects some kind -------------------

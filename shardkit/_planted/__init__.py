@@ -33,6 +33,8 @@ from shardkit._planted.base import DelegatingEngine as DelegatingEngine
 from shardkit._planted.base import PlantedEngine as PlantedEngine
 from shardkit._planted.base import StepRequest as StepRequest
 from shardkit._planted.base import names_its_property as names_its_property
+from shardkit._planted.extreme import EXTREME_PLANTED
+from shardkit._planted.extreme import LayerNormVarianceOverflows as LayerNormVarianceOverflows
 from shardkit._planted.minimal import KvTokens, cancel, decode, fault, prefill, release
 from shardkit._planted.reach import REACH_PLANTED
 from shardkit._planted.reach import CancelMatchesIdPrefix as CancelMatchesIdPrefix
@@ -491,4 +493,5 @@ PLANTED: tuple[type[PlantedEngine], ...] = (
     DelayedStepTimesOut,
     RestartKeepsOldEpochCache,
     *REACH_PLANTED,
+    *EXTREME_PLANTED,
 )

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit._core.steps import Action, step_action
+from shardkit._core.steps import ROW_KINDS, Action, row_code, step_action
 from shardkit.contract import EngineCapabilities, LoadRequest
 
 __all__ = [
@@ -80,6 +80,9 @@ class Step:
     step: int = 0
     tokens: Tokens = (0,)
     malformed: str | None = None
+    #: What a bundle's rows hold, one of ``ROW_KINDS`` (a middle or tail's input; a step of a
+    #: head or full shard sends token ids, which have no values).
+    rows: str = "ordinary"
     #: A fault step's kind and value.
     kind: str = ""
     value: float = 0.0
@@ -99,6 +102,8 @@ class Step:
                     f"{self.describe()}: token ids {too_big} are outside this engine's vocab_size {caps.vocab_size}"
                 )
                 raise ValueError(message)
+            if self.rows != "ordinary" and caps.role in ("middle", "tail"):
+                tokens = tuple(row_code(token, ROW_KINDS.index(self.rows)) for token in tokens)
             return step_action(self.op, self.session, self.epoch, self.step, tokens, self.malformed)
         if self.op == "cancel":
             return Action("cancel", {"session": self.session, "epoch": self.epoch})
@@ -130,14 +135,33 @@ class Step:
 
 
 def prefill(
-    session: str, epoch: int = 0, step: int = 0, tokens: Tokens = (0,), *, malformed: str | None = None, note: str = ""
+    session: str,
+    epoch: int = 0,
+    step: int = 0,
+    tokens: Tokens = (0,),
+    *,
+    malformed: str | None = None,
+    rows: str = "ordinary",
+    note: str = "",
 ) -> Step:
-    shown = ("session", "epoch", "step", "tokens", *(("malformed",) if malformed else ()))
-    return Step("prefill", session, epoch, step, tokens, malformed, note=note, shown=shown)
+    _check_rows(rows)
+    shown = ("session", "epoch", "step", "tokens", *(("rows",) if rows != "ordinary" else ()))
+    shown += ("malformed",) if malformed else ()
+    return Step("prefill", session, epoch, step, tokens, malformed, rows, note=note, shown=shown)
 
 
-def decode(session: str, epoch: int = 0, step: int = 1, token: int = 0, *, note: str = "") -> Step:
-    return Step("decode", session, epoch, step, (token,), note=note, shown=("session", "epoch", "step", "tokens"))
+def decode(
+    session: str, epoch: int = 0, step: int = 1, token: int = 0, *, rows: str = "ordinary", note: str = ""
+) -> Step:
+    _check_rows(rows)
+    shown = ("session", "epoch", "step", "tokens", *(("rows",) if rows != "ordinary" else ()))
+    return Step("decode", session, epoch, step, (token,), rows=rows, note=note, shown=shown)
+
+
+def _check_rows(rows: str) -> None:
+    if rows not in ROW_KINDS:
+        message = f"rows={rows!r} is not one of {', '.join(ROW_KINDS)}"
+        raise ValueError(message)
 
 
 def cancel(session: str, epoch: int = 0, *, note: str = "") -> Step:

@@ -163,12 +163,24 @@ class _Shard:
         return logits
 
 
+#: The smallest normal float32: a scale below it is subnormal and keeps fewer bits.
+_F32_TINY = float(np.finfo(_F32).tiny)
+
+
 def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """``x / sqrt(mean(x^2) + eps) * w``. The squares are summed in float64 (llama.cpp sums
-    in double too), so a huge but finite input row still normalises to finite values."""
+    """``x / sqrt(mean(x^2) + eps) * w``. The squares are summed in float64, so a huge but
+    finite input row (up to float32's 3.4e38, whose square float32 cannot hold) still
+    normalises to finite values. A row that large has a scale below float32's smallest
+    normal value (3.3e-39 for a row of 3e38), which float32 holds with fewer bits: such a
+    row is scaled in float64 instead. Every other row takes the float32 product, as before."""
     mean_square = np.square(x, dtype=np.float64).mean(axis=-1, keepdims=True)
-    scale = (1.0 / np.sqrt(mean_square + eps)).astype(_F32)
-    normed: Array = (x * scale) * weight
+    scale64 = 1.0 / np.sqrt(mean_square + eps)
+    scale = scale64.astype(_F32)
+    scaled = x * scale
+    subnormal = scale64 < _F32_TINY
+    if subnormal.any():
+        scaled = np.where(subnormal, (x * scale64).astype(_F32), scaled)
+    normed: Array = scaled * weight
     return normed
 
 

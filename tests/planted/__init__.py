@@ -19,6 +19,7 @@ from shardkit._planted import EpochStoredIn32Bits as EpochStoredIn32Bits
 from shardkit._planted import EvictsLiveSessions as EvictsLiveSessions
 from shardkit._planted import FailedCallsNotCounted as FailedCallsNotCounted
 from shardkit._planted import KvBlockBoundaryMiscounted as KvBlockBoundaryMiscounted
+from shardkit._planted import LayerNormVarianceOverflows as LayerNormVarianceOverflows
 from shardkit._planted import MemoryPressureIgnored as MemoryPressureIgnored
 from shardkit._planted import MiddleDropsSideband as MiddleDropsSideband
 from shardkit._planted import OutputDependsOnChunking as OutputDependsOnChunking
