@@ -39,7 +39,7 @@ from shardkit._run.report import LONG_SESSION_DECODES, long_session_share, sessi
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
-from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
+from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest, TokenOutput
 from shardkit.engines import FakeShardEngine
 from shardkit.errors import ContractViolation, InvalidTarget
 
@@ -59,7 +59,17 @@ BUNDLED_PLANTED = "shardkit._planted"
 RACY_REPLAY_RUNS = 20
 
 #: The sections of a bench run, in the order they are measured (``run_bench``'s ``sections``).
-SECTIONS = ("throughput", "profile", "engines", "out_of_process", "planted", "concurrency", "memory", "scale_out")
+SECTIONS = (
+    "throughput",
+    "profile",
+    "engines",
+    "out_of_process",
+    "planted",
+    "concurrency",
+    "memory",
+    "scale_out",
+    "native_threads",
+)
 #: What a section left out by ``run_bench(..., sections=...)`` reports instead of its figures.
 NOT_MEASURED = "not measured in this run"
 
@@ -93,6 +103,9 @@ class BenchSettings:
     scale_out_suites: int | None = None
     #: The N of ``pytest -n N`` that the scale-out section sets against one process.
     scale_out_workers: int = 2
+    #: The native-threads section's prefill: this many tokens through the numpy engine, with a
+    #: BLAS thread per core and with one, ``rounds`` rounds interleaved, idle and with the other cores busy.
+    native_prefill_tokens: int = 256
 
 
 #: ``shardkit bench --quick``: every section at sizes that run in well under a minute, to check
@@ -108,6 +121,7 @@ QUICK = BenchSettings(
     memory_steps=10,
     scale_out_rounds=1,
     scale_out_suites=4,
+    native_prefill_tokens=32,
 )
 
 
@@ -690,6 +704,126 @@ def _scale_out(config: BenchSettings) -> dict[str, Any] | str:
     }
 
 
+#: Prefills in one run of a side of the native-threads comparison (a run is timed whole).
+NATIVE_PREFILLS_PER_RUN = 2
+#: The native-threads section's conditions: the machine as the bench found it, then with a
+#: spinning process on every core but one (as a two-core CI host runs the other pytest-xdist worker).
+NATIVE_CONDITIONS = ("machine as found", "other cores busy")
+_SPIN = "while True: pass"
+
+
+def _native_threads(config: BenchSettings) -> dict[str, Any] | str:
+    """A long prefill of the numpy engine (a head shard: every row's residual is its answer)
+    with its BLAS pool at a thread per core, as OpenBLAS starts when no variable says
+    otherwise, and pinned to one (``shardkit/_core/native_threads.py``), the two interleaved
+    over ``config.rounds`` rounds; once on the machine as it is and once with the bench's own
+    spinning processes on every core but one. A condition's row is its median round by how
+    much slower the unpinned side was, with the spread; CPU time counts every thread. Both
+    sides' outputs are compared bit for bit: pinning must change the speed only."""
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError as error:
+        return f"not measured: needs threadpoolctl ({error})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores < 2:
+        return "not measured: one core, so a native pool has one thread pinned or not"
+    from shardkit.engines import NumpyShardEngine
+
+    engine = NumpyShardEngine()
+    total = engine.capabilities().total_layers
+    engine.load(LoadRequest("bench", 0, total - 2, total))
+    tokens = tuple((7 * index) % 256 for index in range(config.native_prefill_tokens))
+    epochs = iter(range(1_000_000))
+    outputs: dict[int, set[bytes]] = {cores: set(), 1: set()}
+
+    def prefills(threads: int) -> int:
+        with threadpool_limits(limits=threads):
+            for _ in range(NATIVE_PREFILLS_PER_RUN):
+                result = engine.prefill(PrefillRequest("s", next(epochs), 0, token_ids=tokens))
+                if not result.status.ok or result.output is None or isinstance(result.output, TokenOutput):
+                    message = f"the numpy engine refused a benchmark prefill: {result.status.code.name} {result.status.message}"
+                    raise RuntimeError(message)
+                outputs[threads].add(b"".join(tensor.data for tensor in result.output.tensors))
+        return NATIVE_PREFILLS_PER_RUN
+
+    prefills(cores)  # warm up: the pool's threads started, the weights in cache
+    pools = threadpool_info()
+    conditions: dict[str, Any] = {}
+    for condition in NATIVE_CONDITIONS:
+        # The load before the bench's own spinners start: "as found" may be busy already.
+        load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        spinners = [] if condition == NATIVE_CONDITIONS[0] else [_spinner() for _ in range(cores - 1)]
+        try:
+            timed = _interleaved(
+                {"default": partial(_timed, partial(prefills, cores)), "pinned": partial(_timed, partial(prefills, 1))},
+                config.rounds,
+            )
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
+        default, pinned = timed["default"], timed["pinned"]
+        slower = [alone.wall_s / one.wall_s for alone, one in zip(default, pinned, strict=True)]
+        middle = _median_round(slower, float)
+        spread = _spread(slower)
+        conditions[condition] = {
+            "busy_processes": len(spinners),
+            "load_average_before": load,
+            "default_ms": round(default[middle].wall_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2),
+            "pinned_ms": round(pinned[middle].wall_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2),
+            "default_cpu_ms": round(default[middle].cpu_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2),
+            "pinned_cpu_ms": round(pinned[middle].cpu_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2),
+            "slower": round(slower[middle], 3),
+            "slower_min": spread["min"],
+            "slower_max": spread["max"],
+            "default_ms_by_round": [round(one.wall_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2) for one in default],
+            "pinned_ms_by_round": [round(one.wall_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2) for one in pinned],
+        }
+    return {
+        "target": "shardkit:NumpyShardEngine",
+        "layers": f"0-{total - 2} of {total} (head)",
+        "prefill_tokens": len(tokens),
+        "prefills_per_run": NATIVE_PREFILLS_PER_RUN,
+        "rounds": config.rounds,
+        "cores": cores,
+        "default_threads": cores,
+        "pools": [
+            f"{pool['internal_api']} {pool.get('version') or ''} ({pool.get('threading_layer', '?')})" for pool in pools
+        ],
+        # One answer each side, and the same one: the pin changed the speed, not the bits.
+        "identical_outputs": len(outputs[cores] | outputs[1]) == 1,
+        "conditions": conditions,
+    }
+
+
+def _spinner() -> subprocess.Popen[bytes]:
+    """A process that keeps one core busy until killed."""
+    return subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL)
+
+
+def _render_native_threads(native: dict[str, Any] | str) -> list[str]:
+    if isinstance(native, str):
+        return [f"native threads: {native}"]
+    identical = (
+        "identical"
+        if native["identical_outputs"]
+        else "DIFFERENT (a twin or chunking check could flag a correct engine)"
+    )
+    lines = [
+        f"native threads (numpy engine, {native['prefill_tokens']}-token prefill, layers {native['layers']}; "
+        f"{', '.join(native['pools']) or 'no native pool found'}; a thread per core ({native['default_threads']}) "
+        f"against 1, interleaved, the median of {native['rounds']} rounds; outputs {identical}):"
+    ]
+    for condition, row in native["conditions"].items():
+        lines.append(
+            f"  {condition:<18} default {row['default_ms']:>8.1f} ms (CPU {row['default_cpu_ms']:.1f} ms)  "
+            f"pinned {row['pinned_ms']:>7.1f} ms (CPU {row['pinned_cpu_ms']:.1f} ms)  "
+            f"x{row['slower']:.1f} slower unpinned (x{row['slower_min']:.1f}-x{row['slower_max']:.1f})"
+            + (f"; load {row['load_average_before']:g} before" if row["load_average_before"] is not None else "")
+        )
+    return lines
+
+
 class _NotMeasured(Exception):
     """A section's run failed; the message is what the section reports instead of figures."""
 
@@ -776,6 +910,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
     concurrency = measured("concurrency", _concurrency)
     memory = measured("memory", _memory)
     scale_out = measured("scale_out", _scale_out)
+    native_threads = measured("native_threads", _native_threads)
     headline = ("kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "long_session_share")
     full = throughput["full"] if isinstance(throughput, dict) else dict.fromkeys(headline)
     return {
@@ -794,6 +929,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         "concurrency": concurrency,
         "memory": memory,
         "scale_out": scale_out,
+        "native_threads": native_threads,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
         "section_seconds": section_seconds,
@@ -948,6 +1084,7 @@ def render(bench: dict[str, Any]) -> str:
             f"{rounds} round{'s' if rounds != 1 else ''} interleaved): steps/s by workers: {rates} (median round); "
             f"speed-up x{campaign['speedup']:.2f} (x{campaign['speedup_min']:.2f} to x{campaign['speedup_max']:.2f})"
         )
+    lines.extend(_render_native_threads(bench["native_threads"]))
     sections = ", ".join(f"{name} {seconds:g} s" for name, seconds in bench["section_seconds"].items())
     lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s ({sections})")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit._core.driver import StepFailed
+from shardkit._core.native_threads import pinned_native_threads
 from shardkit._core.properties import LABEL_ANCHORS
 from shardkit._core.targets import EngineFactory, ResolvedTarget
 from shardkit._machine.build import build_machine
@@ -81,6 +82,8 @@ def chunk_seeds(seed: int, examples: int, chunk: int, single_run: int = 0) -> It
             yield int.from_bytes(derived[:8], "little"), count
 
 
+# Native thread pools (BLAS, OpenMP) pinned for the run, minimising included: native_threads.py.
+@pinned_native_threads()
 def run_machine(
     machine: type[ShardMachine],
     run_settings: settings,

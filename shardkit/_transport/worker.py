@@ -48,6 +48,7 @@ import threading
 import time
 from pathlib import Path
 
+from shardkit._core.native_threads import worker_environment
 from shardkit._core.targets import (
     WORKER_ADDRESS_FIELD,
     IsolationOptions,
@@ -319,7 +320,8 @@ class WorkerPool:
     def _environment(self) -> dict[str, str]:
         # The child imports the target by name: let it see what this process sees.
         paths = [path or os.getcwd() for path in sys.path if isinstance(path, str)]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        # Its native thread pools (BLAS, OpenMP) one thread each unless the user chose: native_threads.py.
+        return {**worker_environment(os.environ), "PYTHONPATH": os.pathsep.join(paths)}
 
     def _fork(self, number: int, url: str, log_path: Path) -> ForkedProcess | None:
         """A worker forked from the zygote (started first if need be), or None when it cannot give one."""
