@@ -151,6 +151,20 @@ def test_the_documented_session_engine_passes_the_contract_and_a_short_fuzz(tmp_
     assert engine_class().capabilities().supported_faults == result.faults  # every fault native
     assert engine_class.ENGINE_NAME == "SumEngine"  # the default: the class name
 
+    class ChunkySumEngine(engine_class):  # type: ignore[misc, valid-type]
+        pass
+
+    class NamedSumEngine(engine_class):  # type: ignore[misc, valid-type]
+        ENGINE_NAME = "Named"
+
+    class NamedChild(NamedSumEngine):
+        pass
+
+    # A subclass is another engine: its messages name it, not its parent.
+    assert ChunkySumEngine.ENGINE_NAME == "ChunkySumEngine"
+    assert NamedSumEngine.ENGINE_NAME == "Named"
+    assert NamedChild.ENGINE_NAME == "NamedChild"
+
 
 def test_the_documented_engine_of_several_layers_serves_every_role_and_passes(tmp_path: Path) -> None:
     module = documented_module("crc_engine.py", tmp_path)

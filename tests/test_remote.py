@@ -1062,3 +1062,20 @@ def test_a_server_without_answers_ahead_is_asked_everything_and_fuzzes_alike(
     finally:
         close_connections()
         server.stop(0)
+
+
+def test_serve_logs_one_line_per_engine_exception_notes_included() -> None:
+    """``shardkit serve`` promises one log line per exception: a note (the engine base adds
+    one) joins the line instead of starting another."""
+    import io
+
+    log = io.StringIO()
+    servicer = ShardEngineServicer(resolve_target(FakeShardEngine), log=log)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as error:
+        error.add_note("FakeShardEngine.prefill() raised: the process died in step 3")
+        servicer._report("engine 1: prefill", error)
+    [line] = log.getvalue().splitlines()
+    assert line.startswith("shardkit serve: engine 1: prefill raised RuntimeError: boom / FakeShardEngine.prefill() raised")
+    assert "(at " in line

@@ -477,13 +477,15 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
             os._exit(codec.EXIT_OUT_OF_MEMORY if isinstance(error, MemoryError) else codec.EXIT_ENGINE_RAISED)
 
     def _report(self, where: str, error: BaseException) -> None:
-        """One line per exception (and its notes), with the line that raised it: a crash
-        fault may fire every few calls, so full tracebacks would drown the log."""
+        """One line per exception, its notes joined to it by " / ", with the line that raised
+        it: a crash fault may fire every few calls, so full tracebacks would drown the log,
+        and a log read line by line must not split one exception in two."""
         if self.log is None:
             return
         frames = traceback.extract_tb(error.__traceback__)
         origin = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-        print(f"shardkit serve: {where} raised {_describe(error)}{origin}", file=self.log, flush=True)
+        described = " / ".join(line.strip() for line in _describe(error).splitlines() if line.strip())
+        print(f"shardkit serve: {where} raised {described}{origin}", file=self.log, flush=True)
 
 
 def _describe(error: BaseException) -> str:

@@ -246,7 +246,9 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if not hasattr(cls, "ENGINE_NAME"):
+        # Each class its own name unless it sets one: a subclass of an engine that set
+        # ENGINE_NAME is another engine, and its messages must not name its parent.
+        if "ENGINE_NAME" not in cls.__dict__:
             cls.ENGINE_NAME = cls.__name__
 
     def __init__(
