@@ -92,6 +92,27 @@ def test_a_foreign_worker_that_hangs_misses_its_deadline_and_is_killed(tmp_path:
     assert live_worker_pids() == []
 
 
+def test_a_foreign_worker_that_answers_its_engines_exception_is_an_unexplained_exception(tmp_path: Path) -> None:
+    """The proto's convention, INTERNAL with the type in the trailing metadata, from a worker
+    that lives on: named at once, not after a wait for an exit that never comes."""
+    result = fuzz(worker_command=command("raise-on-cancel"), seed=1, examples=50, out=tmp_path)
+    assert result.failure is not None
+    assert result.failure.violation.property == "unexplained exception"
+    assert [record.action.op for record in result.failure.records] == ["prefill", "cancel"]
+    message = result.failure.violation.message
+    assert "answered that its engine raised RuntimeError: cancel lost its session table (the kit ended it)" in message
+    assert "| standalone_worker: cancel raised RuntimeError" in message
+    assert live_worker_pids() == []
+
+
+def test_replay_refuses_to_run_a_worker_command_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = fuzz(worker_command=command("cancel-keeps-kv"), seed=1, examples=100, out=tmp_path)
+    assert result.trace_path is not None
+    assert main(["replay", str(result.trace_path), "--trust", "--no-isolate"]) == 2
+    err = capsys.readouterr().err
+    assert "always runs in worker processes; drop --no-isolate" in err
+
+
 def test_the_printed_rerun_and_the_regression_test_find_the_same_failure(tmp_path: Path) -> None:
     environment = {**os.environ, "PYTHONPATH": str(REPO)}
     arguments = ["fuzz", "--worker-command", command("cancel-keeps-kv"), "--seed", "1", "--examples", "100"]

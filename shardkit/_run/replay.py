@@ -25,7 +25,14 @@ from pathlib import Path
 
 from shardkit._core.driver import CustomOp, Driver, StepRecord, Violation
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, display_name, is_remote_address
+from shardkit._core.targets import (
+    EngineFactory,
+    IsolationOptions,
+    ResolvedTarget,
+    display_name,
+    is_remote_address,
+    worker_command_of,
+)
 from shardkit._parallel.runs import replay_runs
 from shardkit._run.trace_reader import Trace, check_custom_steps, read_trace
 from shardkit._run.trust import Admitted, admit, build_recorded_machine, resolve_admitted
@@ -273,6 +280,9 @@ def prepare_replay(
 
 
 def _engine(trace: Trace, chosen: str | EngineFactory, isolate: bool | IsolationOptions | None) -> ResolvedTarget:
+    if isolate is False and worker_command_of(getattr(chosen, "name", chosen)) is not None:
+        message = f"{display_name(str(getattr(chosen, 'name', chosen)))} always runs in worker processes; drop --no-isolate (isolate=False)"
+        raise InvalidTarget(message)
     if isinstance(chosen, ResolvedTarget) and _remote(chosen):
         return chosen  # connected by the caller, with the deadline the caller chose
     isolation = trace.isolation if isolate is None else isolate

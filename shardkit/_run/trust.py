@@ -124,18 +124,20 @@ def _admit_worker_command(trace: Trace, role: str, name: str, command: str, trus
     if trust:
         return Admitted(role, name, name, trusted=True)
     path = Path(program)
-    if "/" not in program:
-        where = f"the program {program!r}, found on PATH, which could run anything with its arguments"
-    elif not path.is_file():
-        where = f"the program {program!r}, which is not a file here"
-    elif not _inside_project(path):
-        where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
-    else:
-        return Admitted(role, name, name, origin=path.resolve())
     fixes = (
         "run shardkit replay from the project folder that holds the program, pass --trust (trust=True) to run "
         "the recorded command anyway, or name the worker's command yourself with --worker-command CMD"
     )
+    if "/" not in program:
+        where = f"the program {program!r}, found on PATH, which could run anything with its arguments"
+    elif not path.is_file():
+        # --trust would not help: the command's paths are relative to the folder the run was started from.
+        where = f"the program {program!r}, which is not a file from here (a relative path in the command is relative to the folder the run started in)"
+        fixes = "run shardkit replay from that folder, or name the worker's command with paths from here: --worker-command CMD"
+    elif not _inside_project(path):
+        where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
+    else:
+        return Admitted(role, name, name, origin=path.resolve())
     message = f"{trace.path} names the worker command {command!r}, which runs {where}; {fixes}"
     raise UntrustedTarget(message)
 

@@ -129,6 +129,8 @@ class _Worker:
                 message = f"the worker process for {target} did not start serving within {START_SECONDS:g} s"
                 if self.foreign:
                     message += f": a worker command must serve contract v1 on the address given in {WORKER_ADDRESS_FIELD} ({self.url})"
+                printed = "; ".join(self.tail())
+                message += f"; it printed: {printed}" if printed else "; it printed nothing"
                 raise InvalidTarget(message)
             time.sleep(0.005)
 
@@ -402,6 +404,8 @@ class WorkerPool:
             return worker.death
 
     def _diagnose(self, worker: _Worker, error: RemoteEngineError) -> ProcessDeath:
+        if worker.foreign and isinstance(error, RemoteEngineCrashed):
+            return self._foreign_raised(worker, error)
         if isinstance(error, RemoteDeadlineExceeded):
             worker.dump_stacks()
             worker.kill()
@@ -420,6 +424,19 @@ class WorkerPool:
             return ProcessDeath("garbage answer", f"answered garbage: {error} (the kit killed it)", worker.tail())
         close_connection(worker.url)
         return self._exit_death(code, worker.tail(), shardkit_worker=not worker.foreign)
+
+    def _foreign_raised(self, worker: _Worker, error: RemoteEngineCrashed) -> ProcessDeath:
+        """A foreign worker answered INTERNAL with the type of what its engine raised, as the
+        proto asks, and lives on: it is ended, as a Python worker ends itself, since its engine's
+        state is unknown. Under --worker-memory an allocation refused is named as memory."""
+        worker.kill()
+        tail = worker.tail()
+        raised = error.details or error.exception_type
+        limit = self.options.worker_memory_mb
+        if limit is not None and any(sign in text for text in (*tail, raised) for sign in _MEMORY_SIGNS):
+            summary = f"ran out of memory within --worker-memory {limit} MB (its engine raised {raised})"
+            return ProcessDeath("worker memory", summary, tail)
+        return ProcessDeath("unexplained exception", f"answered that its engine raised {raised} (the kit ended it)", tail)
 
     def _exit_death(self, code: int, tail: tuple[str, ...], *, shardkit_worker: bool) -> ProcessDeath:
         limit = self.options.worker_memory_mb

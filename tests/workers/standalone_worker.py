@@ -16,7 +16,9 @@ prints ``listening on grpc://HOST:PORT`` (or ``unix:PATH``) once it serves.
 ``--plant cancel-keeps-kv`` plants a bug (cancel leaves the session's KV tokens counted),
 ``--plant abort-on-restart`` a native-style death (``os.abort()``, SIGABRT, when a
 session is restarted at a newer epoch) and ``--plant hang-on-release`` a hang (release
-of a session that exists never answers): the tests of ``--worker-command`` find, shrink
+of a session that exists never answers) and ``--plant raise-on-cancel`` an engine
+exception (cancel of a session that exists raises, answered as the proto asks: INTERNAL
+with its type in the trailing metadata): the tests of ``--worker-command`` find, shrink
 and replay them through workers the kit starts.
 """
 
@@ -72,7 +74,7 @@ class Session:
 
 #: The bugs --plant turned on (see the module docstring).
 PLANTED: set[str] = set()
-PLANTS = ("cancel-keeps-kv", "abort-on-restart", "hang-on-release")
+PLANTS = ("cancel-keeps-kv", "abort-on-restart", "hang-on-release", "raise-on-cancel")
 
 
 class HashEngine:
@@ -304,7 +306,14 @@ def make_servicer(pb: Any, pb_grpc: Any) -> Any:
             return self.engine(call.engine_id, context).step("decode", call.request)
 
         def Cancel(self, call: Any, context: Any) -> Any:
-            return self.engine(call.engine_id, context).cancel(call.session_id, HashEngine.counter(call, "epoch"))
+            engine = self.engine(call.engine_id, context)
+            if "raise-on-cancel" in PLANTED and call.session_id in engine.sessions:
+                # An engine's exception, answered as the proto's header asks.
+                error = RuntimeError("cancel lost its session table")
+                print(f"standalone_worker: cancel raised RuntimeError: {error}", file=sys.stderr, flush=True)
+                context.set_trailing_metadata([("shardkit-exception-type", "RuntimeError")])
+                context.abort(grpc.StatusCode.INTERNAL, f"RuntimeError: {error}")
+            return engine.cancel(call.session_id, HashEngine.counter(call, "epoch"))
 
         def Release(self, call: Any, context: Any) -> Any:
             return self.engine(call.engine_id, context).release(call.session_id)

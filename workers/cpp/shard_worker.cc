@@ -22,6 +22,7 @@
 //   PLANT_CANCEL_LEAK  cancel keeps the session's KV tokens counted (a §2 metrics bug).
 //   PLANT_NULL_DEREF   a genuine SIGSEGV: see Engine::Advance.
 
+#include <cxxabi.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <unistd.h>
@@ -32,6 +33,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -39,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 
 #include "shard_engine.grpc.pb.h"
@@ -445,8 +448,8 @@ class Service final : public pb::ShardEngineService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Load(grpc::ServerContext*, const pb::LoadCall* call, pb::LoadResponse* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status Load(grpc::ServerContext* context, const pb::LoadCall* call, pb::LoadResponse* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = engine.Load(call->request());
       // with_capabilities: answer the kit's next call now, before any other call to this engine.
       if (call->with_capabilities() && response->has_result())
@@ -454,49 +457,49 @@ class Service final : public pb::ShardEngineService::Service {
     });
   }
 
-  grpc::Status Capabilities(grpc::ServerContext*, const pb::EngineRef* ref, pb::CapabilitiesResponse* response) override {
-    return WithEngine(ref->engine_id(), [&](Engine& engine) { *response->mutable_capabilities() = engine.Capabilities(); });
+  grpc::Status Capabilities(grpc::ServerContext* context, const pb::EngineRef* ref, pb::CapabilitiesResponse* response) override {
+    return WithEngine(context, ref->engine_id(), [&](Engine& engine) { *response->mutable_capabilities() = engine.Capabilities(); });
   }
 
-  grpc::Status Prefill(grpc::ServerContext*, const pb::StepCall* call, pb::StepResult* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status Prefill(grpc::ServerContext* context, const pb::StepCall* call, pb::StepResult* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = engine.Step(Op::kPrefill, call->request());
       if (call->with_metrics()) *response->mutable_metrics() = engine.Metrics();
     });
   }
 
-  grpc::Status Decode(grpc::ServerContext*, const pb::StepCall* call, pb::StepResult* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status Decode(grpc::ServerContext* context, const pb::StepCall* call, pb::StepResult* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = engine.Step(Op::kDecode, call->request());
       if (call->with_metrics()) *response->mutable_metrics() = engine.Metrics();
     });
   }
 
-  grpc::Status Cancel(grpc::ServerContext*, const pb::CancelCall* call, pb::StructuredStatus* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status Cancel(grpc::ServerContext* context, const pb::CancelCall* call, pb::StructuredStatus* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = engine.Cancel(call->session_id(), EpochOf(*call));
       if (call->with_metrics()) *response->mutable_metrics() = engine.Metrics();
     });
   }
 
-  grpc::Status Release(grpc::ServerContext*, const pb::ReleaseCall* call, pb::StructuredStatus* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status Release(grpc::ServerContext* context, const pb::ReleaseCall* call, pb::StructuredStatus* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = engine.Release(call->session_id());
       if (call->with_metrics()) *response->mutable_metrics() = engine.Metrics();
     });
   }
 
-  grpc::Status Health(grpc::ServerContext*, const pb::EngineRef* ref, pb::HealthResult* response) override {
-    return WithEngine(ref->engine_id(), [&](Engine& engine) { *response = engine.Health(); });
+  grpc::Status Health(grpc::ServerContext* context, const pb::EngineRef* ref, pb::HealthResult* response) override {
+    return WithEngine(context, ref->engine_id(), [&](Engine& engine) { *response = engine.Health(); });
   }
 
-  grpc::Status Metrics(grpc::ServerContext*, const pb::EngineRef* ref, pb::MetricsResult* response) override {
-    return WithEngine(ref->engine_id(), [&](Engine& engine) { *response = engine.Metrics(); });
+  grpc::Status Metrics(grpc::ServerContext* context, const pb::EngineRef* ref, pb::MetricsResult* response) override {
+    return WithEngine(context, ref->engine_id(), [&](Engine& engine) { *response = engine.Metrics(); });
   }
 
   // No fault is supported natively (supported_faults is empty): every kind is UNIMPLEMENTED.
-  grpc::Status InjectFault(grpc::ServerContext*, const pb::InjectFaultCall* call, pb::StructuredStatus* response) override {
-    return WithEngine(call->engine_id(), [&](Engine& engine) {
+  grpc::Status InjectFault(grpc::ServerContext* context, const pb::InjectFaultCall* call, pb::StructuredStatus* response) override {
+    return WithEngine(context, call->engine_id(), [&](Engine& engine) {
       *response = Status(pb::STATUS_CODE_UNIMPLEMENTED, "no fault is supported natively ('" + call->fault().kind() + "' included)");
       if (call->with_metrics()) *response->mutable_metrics() = engine.Metrics();
     });
@@ -504,9 +507,13 @@ class Service final : public pb::ShardEngineService::Service {
 
  private:
   // Runs `body` on the named engine under its own lock; an unknown id is gRPC NOT_FOUND.
-  // The shared_ptr keeps the engine alive if another thread closes it meanwhile.
+  // The shared_ptr keeps the engine alive if another thread closes it meanwhile. An exception
+  // out of the engine (a bug, std::bad_alloc under --worker-memory) is answered as the proto
+  // asks: INTERNAL, details "TypeName: message", and the type in the trailing metadata
+  // "shardkit-exception-type"; the kit then names it (unexplained exception, worker memory).
+  // Left to gRPC, it would be UNKNOWN "Unexpected error in RPC handling", a garbage answer.
   template <class Body>
-  grpc::Status WithEngine(uint64_t id, Body body) {
+  grpc::Status WithEngine(grpc::ServerContext* context, uint64_t id, Body body) {
     std::shared_ptr<Engine> engine;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -518,8 +525,25 @@ class Service final : public pb::ShardEngineService::Service {
                                                            " (closed, never built, or dropped past " +
                                                            std::to_string(kMaxEngines) + " live engines)");
     std::lock_guard<std::mutex> lock(engine->mu);
-    body(*engine);
+    try {
+      body(*engine);
+    } catch (const std::exception& error) {
+      std::string type = TypeName(error);
+      std::fprintf(stderr, "shard_worker: engine %llu raised %s: %s\n", static_cast<unsigned long long>(id),
+                   type.c_str(), error.what());
+      std::fflush(stderr);
+      context->AddTrailingMetadata("shardkit-exception-type", type);
+      return grpc::Status(grpc::StatusCode::INTERNAL, type + ": " + error.what());
+    }
     return grpc::Status::OK;
+  }
+
+  static std::string TypeName(const std::exception& error) {
+    int status = 0;
+    char* name = abi::__cxa_demangle(typeid(error).name(), nullptr, nullptr, &status);
+    std::string text = status == 0 && name != nullptr ? name : typeid(error).name();
+    std::free(name);
+    return text;
   }
 
   const std::string server_id_;
@@ -603,6 +627,12 @@ int main(int argc, char** argv) {
     std::unique_lock<std::mutex> lock(stop_mu);
     stop_cv.wait(lock, [] { return stop_requested; });
   }
+  // Shutdown waits for every call in flight to return, and a hung call never does: whatever
+  // is left after two seconds, leave anyway (stdin closed means nobody will ask us again).
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::_Exit(0);
+  }).detach();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   std::fflush(stdout);
   // The watcher threads may still be blocked in read() or sigwait(): leave without running
