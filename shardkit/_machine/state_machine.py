@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 from hypothesis import event, reject, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
-from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from hypothesis.strategies import SearchStrategy
 
 from shardkit._core.checks import MemoStore
@@ -779,6 +779,11 @@ class ShardMachine(RuleBasedStateMachine):
 # --- extreme values, added to a machine whose role takes bundles (middle, tail, or any) -----
 
 
+def _takes_bundles(machine: ShardMachine) -> bool:
+    return machine.driver.caps.role in ("middle", "tail")
+
+
+@precondition(_takes_bundles)
 @step_rule(
     session=st.integers(0, OPENING_CHOICES - 1), chunk=st.integers(0, 31), values=st.integers(0, EXTREME_CHOICES - 1)
 )
@@ -790,9 +795,10 @@ def extreme_values(self: ShardMachine, session: int, chunk: int, values: int) ->
     ordinary rows, so a failure that does not need extreme values shrinks to an ordinary step;
     ``chunk`` names the chunk (or the decoded token) as ``prefill`` and ``decode`` do. A head or
     full shard (an example of ``--role any`` may load one) takes token ids, with no values to
-    make extreme: the step does nothing there, so that it is no second way to spell a prefill
-    or a decode, which would leave shrinking two minimal sequences for one bug."""
-    if self.driver.caps.role not in ("middle", "tail"):
+    make extreme: the rule is not drawn there (its precondition), so that it neither spends
+    the example's steps on nothing nor becomes a second way to spell a prefill or a decode,
+    which would leave shrinking two minimal sequences for one bug."""
+    if not _takes_bundles(self):  # the minimiser replays rules without their preconditions
         return
     sid = self.session_id(session)
     epoch, step = self.position(sid)
