@@ -196,13 +196,10 @@ class _Worker:
                 text = log.read().decode("utf-8", "replace")
         except OSError:
             return ()
-        # Not the line saying where it listens ("serving … on URL", a foreign worker's own wording).
+        # Not the line saying where it listens: shardkit's "serving … on URL", or a foreign
+        # worker's own wording; either names its socket.
         address = self.url.removeprefix("unix:")
-        lines = [
-            line.rstrip()
-            for line in text.splitlines()
-            if line.strip() and not line.startswith("serving ") and address not in line
-        ]
+        lines = [line.rstrip() for line in text.splitlines() if line.strip() and address not in line]
         for index in range(max(0, len(lines) - 40), len(lines)):
             if lines[index].startswith("Fatal Python error"):
                 # faulthandler: the header, then the crashing thread's innermost frames.
@@ -306,10 +303,8 @@ class WorkerPool:
         log_path.write_bytes(b"")  # read (wait_ready, tail) before the worker writes a line
         if self._foreign is not None:
             worker = _Worker(url, log_path, self._spawn_foreign(url, log_path), foreign=True)
-            self._by_url[url] = worker
-            return worker
-        process = self._fork(number, url, log_path) or self._spawn(url, log_path)
-        worker = _Worker(url, log_path, process)
+        else:
+            worker = _Worker(url, log_path, self._fork(number, url, log_path) or self._spawn(url, log_path))
         self._by_url[url] = worker
         return worker
 
@@ -346,16 +341,7 @@ class WorkerPool:
 
     def _spawn(self, url: str, log_path: Path) -> subprocess.Popen[bytes]:
         """A worker in a fresh interpreter (``shardkit serve TARGET --worker --listen URL``)."""
-        with log_path.open("wb") as log:
-            # Its own session: a Ctrl-C meant for the kit must not kill the worker mid-step.
-            return subprocess.Popen(
-                [*self._command(), "--listen", url],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._environment(),
-                start_new_session=True,
-            )
+        return self._popen([*self._command(), "--listen", url], log_path)
 
     def _spawn_foreign(self, url: str, log_path: Path) -> subprocess.Popen[bytes]:
         """A foreign worker: the user's command with ``{address}`` made this worker's socket."""
@@ -364,19 +350,24 @@ class WorkerPool:
         if self.options.worker_memory_mb is not None:
             command = [sys.executable, "-S", "-c", _LIMIT_THEN_EXEC, str(self.options.worker_memory_mb), *command]
         try:
-            with log_path.open("wb") as log:
-                # stdin stays open while the kit runs: a worker that exits at its end leaves nothing behind.
-                return subprocess.Popen(
-                    command,
-                    stdin=subprocess.PIPE,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self._environment(),
-                    start_new_session=True,
-                )
+            return self._popen(command, log_path)
         except OSError as error:
             message = f"the worker command {worker_command_of(self.target)!r} could not be started: {error}"
             raise InvalidTarget(message) from error
+
+    def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        """``command`` as a worker: its output to ``log_path``; its stdin a pipe the kit holds
+        while it runs (a worker that exits at its end leaves nothing behind a killed kit); its
+        own session, so a Ctrl-C meant for the kit does not kill it mid-step."""
+        with log_path.open("wb") as log:
+            return subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._environment(),
+                start_new_session=True,
+            )
 
     def _stop_every_process(self) -> None:
         """Kill every worker and end the zygote; a later engine starts them again."""
