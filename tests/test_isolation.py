@@ -133,7 +133,7 @@ def test_each_death_names_how_the_process_ended_and_what_it_printed(
     assert "dying.py" in segfault  # faulthandler's stack names the engine's line
     assert "engine process killed by SIGABRT during step 2" in messages[DYING[0]]
     hang = messages[DYING[2]]
-    assert "missed its 1 s step deadline (the kit killed it)" in hang
+    assert f"missed its {DYING[2].STEP_TIMEOUT:g} s step deadline (the kit killed it)" in hang
     assert "in decode" in hang  # the hung thread's stack, dumped before the kill
     assert "engine process exited with code 3 during step 3" in messages[DYING[3]]
     memory = messages[DYING[4]]

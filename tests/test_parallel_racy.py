@@ -47,8 +47,10 @@ def test_a_racy_engine_is_found_with_two_lanes(engine: type[RacyEngine]) -> None
 
 def test_a_free_during_a_prefill_shrinks_to_the_two_racing_calls_and_replays(tmp_path: Path) -> None:
     """Shrinking and replay of a race other than the lost update test_parallel_repro.py
-    follows: a cancel landing between a prefill and its booking, which reproduced in 20 of
-    20 replays at each of seeds 1-5 when measured."""
+    follows: a free landing between a prefill and its booking, which reproduced in 20 of
+    20 replays at each of seeds 1-5 when measured. Either free shows it (a cancel or a
+    release of the session the prefill opens), and which one the shrink keeps depends on
+    how the threads were scheduled while it shrank: both are minimal."""
     machine = build_machine(FreeDuringPrefill, faults="none", concurrency=2)
     run_settings = settings(max_examples=300, stateful_step_count=50, database=None, deadline=None)
     result = run_machine(machine, run_settings, seed=2, out=tmp_path)
@@ -59,7 +61,9 @@ def test_a_free_during_a_prefill_shrinks_to_the_two_racing_calls_and_replays(tmp
     lanes = failure.records[-1].action.args["lanes"]
     steps = (len(failure.records), sum(len(lane) for lane in lanes))
     assert steps == FreeDuringPrefill.MINIMUM, failure.violation.message
-    assert sorted(action.op for lane in lanes for action in lane) == ["cancel", "prefill"]
+    calls = sorted((action.op for lane in lanes for action in lane), key=lambda op: op != "prefill")
+    assert calls in (["prefill", "cancel"], ["prefill", "release"]), calls
+    assert len({action.args["session"] for lane in lanes for action in lane}) == 1, lanes
     replayed = replay(result.trace_path, runs=5)
     assert replayed.failure is not None
     assert replayed.failure.property == failure.violation.property

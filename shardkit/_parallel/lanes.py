@@ -19,17 +19,31 @@ from typing import Generic, TypeVar
 
 from shardkit._parallel.linearize import TimedStep
 
-__all__ = ["FAST_SWITCH_SECONDS", "YIELD_POINT_SECONDS", "Raised", "run_lanes", "yield_point"]
+__all__ = [
+    "FAST_SWITCH_SECONDS",
+    "LANES_IN_CALL_SECONDS",
+    "YIELD_POINT_SECONDS",
+    "Raised",
+    "in_parallel_phase",
+    "run_lanes",
+    "yield_point",
+]
 
 T = TypeVar("T")
 
 #: The thread switch interval while lanes run (CPython's default is 5 ms): a call of a
 #: few microseconds is then interrupted often enough for a race inside it to show.
 FAST_SWITCH_SECONDS = 1e-6
-#: The longest a ``yield_point`` waits for another lane: the others may be waiting for a lock
-#: the caller holds, and then nothing they do can end the wait. Scheduling only: which call
-#: ran when is read from the logical clock, never from this.
-YIELD_POINT_SECONDS = 0.002
+#: The longest a ``yield_point`` waits, once every other lane is inside a call, for one of them
+#: to answer or to reach a yield point too: one may be waiting for a lock the caller holds,
+#: and then nothing it does can end the wait. Long enough for a lane that a busy machine has
+#: descheduled to run again; spent only where a lane waits for such a lock. Scheduling
+#: only: which call ran when is read from the logical clock, never from this.
+YIELD_POINT_SECONDS = 0.05
+#: A safety net only: the longest a ``yield_point`` waits for the other lanes to be inside a
+#: call. A lane outside one is between two calls or not yet at its first: it holds nothing
+#: and needs nothing, so it comes in as soon as it is scheduled.
+LANES_IN_CALL_SECONDS = 10.0
 
 _lane = threading.local()
 _LEADS = itertools.count()
@@ -49,33 +63,52 @@ class _Clock:
         self._next = 0
         self._answers = 0
         self._running = lanes
+        self._between_calls = lanes  # running lanes not inside a call
+        self._yielding = 0  # lanes waiting in a yield point
         self._changed = threading.Condition()
 
     def tick(self, *, answered: bool = False) -> int:
         with self._changed:
             tick, self._next = self._next, self._next + 1
             self._answers += answered
+            self._between_calls += 1 if answered else -1
             self._changed.notify_all()
             return tick
 
     def lane_done(self) -> None:
         with self._changed:
             self._running -= 1
+            self._between_calls -= 1
             self._changed.notify_all()
 
     def wait_for_an_answer(self) -> None:
-        """Until another lane's call answers or every other lane has finished (at most
-        ``YIELD_POINT_SECONDS``)."""
+        """Called inside a call: first until every other running lane is inside a call too,
+        then until one of them answers, or all of them wait in a yield point too, or they have
+        finished (at most ``YIELD_POINT_SECONDS``). So the other lanes' calls reach their own
+        windows before this one closes, however late a busy machine schedules them."""
         with self._changed:
+            self._changed.wait_for(lambda: self._between_calls <= 0, LANES_IN_CALL_SECONDS)
             answers = self._answers
-            self._changed.wait_for(lambda: self._answers != answers or self._running <= 1, YIELD_POINT_SECONDS)
+            self._yielding += 1
+            self._changed.notify_all()
+            try:
+                self._changed.wait_for(
+                    lambda: self._answers != answers or self._yielding >= self._running, YIELD_POINT_SECONDS
+                )
+            finally:
+                self._yielding -= 1
+
+
+def in_parallel_phase() -> bool:
+    """Whether the calling thread runs a lane of a parallel phase."""
+    return getattr(_lane, "clock", None) is not None
 
 
 def yield_point() -> None:
     """Give the other lanes of a parallel phase a turn: called by an engine inside a
     critical section (between reading shared state and writing it back), it waits until
-    a call of another lane has answered, so a race there shows on most runs, not once in
-    many. It does nothing outside a parallel phase, and costs nothing to leave in an
+    the other lanes are inside a call and one of them has answered or reached a yield
+    point too, so a race there shows on every run where their calls meet, not once in many. It does nothing outside a parallel phase, and costs nothing to leave in an
     engine: a sequential run, a server and production never wait in it."""
     clock = getattr(_lane, "clock", None)
     if clock is not None:

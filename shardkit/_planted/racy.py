@@ -4,7 +4,10 @@ self-tests check both).
 
 Each opens its race window with ``time.sleep(0)`` (one with a millisecond's sleep), which
 gives up the interpreter as a real engine's I/O, native call or lock would, so that the
-race shows in a good share of the runs, not once in thousands. Each declares
+race shows in a good share of the runs, not once in thousands. ``FreeDuringPrefill``, whose
+shrink and replay a self-test follows, makes its two sides wait for each other through
+``yield_point`` instead: its race shows on every run of a phase that holds both, on a busy
+machine as on an idle one. Each declares
 ``concurrent_calls``, as the fake it wraps does: the claim is the bug.
 """
 
@@ -27,6 +30,7 @@ from shardkit import (
     StructuredStatus,
     TokenOutput,
 )
+from shardkit._parallel.lanes import in_parallel_phase, yield_point
 from shardkit._planted.base import DelegatingEngine
 from shardkit.engines.base import StepInput
 
@@ -165,19 +169,57 @@ class FreeDuringPrefill(RacyEngine):
     leaves the tokens it freed booked: the table shows a cache no session holds."""
 
     RACE = "books a prefill's tokens after the prefill: a release or cancel that lands in between leaves them booked"
-    #: An opening prefill and, at once, a cancel of the session it opens.
+    #: An opening prefill and, at once, a cancel or a release of the session it opens.
     MINIMUM = (1, 2)
+
+    #: The most turns a prefill's window or a free waits for the other side of the race in a
+    #: parallel phase: a turn is a ``yield_point``, which ends when another lane's call answers
+    #: or waits in a yield point too, and at once when the other lanes have finished.
+    TURNS = 200
 
     def __init__(self) -> None:
         super().__init__()
         self.booked: dict[str, int] = {}
+        # The two sides of the race wait for each other, so that when a phase holds a prefill
+        # and a free of one session on two lanes, the free lands in the window on every run
+        # however the threads are scheduled (on a busy machine, sleep(0) showed it in 1 of 5).
+        # A waiter gives up as soon as another waits for something else: no two wait on each other.
+        self.freed: set[str] = set()
+        self.waiting: list[tuple[str, str]] = []  # ("window" or "free", session), one per waiter
 
     def prefill(self, request: PrefillRequest) -> StepResult:
-        result, cached = self._stepped(request.session_id, lambda: super(FreeDuringPrefill, self).prefill(request))
+        session = request.session_id
+        result, cached = self._stepped(session, lambda: super(FreeDuringPrefill, self).prefill(request))
         if result.status.ok:
-            time.sleep(0)  # the prefill's compute, out of the lock
-            self._book(request.session_id, cached)
+            self.freed.discard(session)
+            # The prefill's compute, out of the lock: a free of the session lands in it.
+            self._wait(("window", session), lambda: session in self.freed, ("free", session))
+            self._book(session, cached)
         return result
+
+    def _free_lands_in_a_window(self, session: str) -> None:
+        self._wait(("free", session), lambda: ("window", session) in self.waiting)
+
+    def _wait(self, waiter: tuple[str, str], ready: Callable[[], bool], partner: tuple[str, str] | None = None) -> None:
+        """In a parallel phase, give the other lanes turns until ``ready()``, or until another
+        call waits here for something other than this one (``partner`` may keep waiting:
+        it waits for this one)."""
+        if not in_parallel_phase():
+            return
+        self.waiting.append(waiter)
+        try:
+            turns = 0
+            while turns < self.TURNS:
+                others = list(self.waiting)
+                others.remove(waiter)
+                if ready() or any(other != partner for other in others):
+                    return
+                # A partner that waits is ready (this waiter is what it waits for): it leaves on
+                # its next turn, so the turns it takes to be scheduled do not count.
+                turns += partner not in others
+                yield_point()
+        finally:
+            self.waiting.remove(waiter)
 
     def decode(self, request: DecodeRequest) -> StepResult:
         with self.inner._calls:
@@ -186,15 +228,19 @@ class FreeDuringPrefill(RacyEngine):
         return result
 
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        self._free_lands_in_a_window(session_id)
         with self.inner._calls:
             status = super().cancel(session_id, epoch)
             if status.ok:
                 self.booked[session_id] = 0
+            self.freed.add(session_id)
         return status
 
     def release(self, session_id: str) -> StructuredStatus:
+        self._free_lands_in_a_window(session_id)
         with self.inner._calls:
             self.booked.pop(session_id, None)
+            self.freed.add(session_id)
             return super().release(session_id)
 
     def metrics(self) -> MetricsResult:
