@@ -108,7 +108,8 @@ def yield_point() -> None:
     """Give the other lanes of a parallel phase a turn: called by an engine inside a
     critical section (between reading shared state and writing it back), it waits until
     the other lanes are inside a call and one of them has answered or reached a yield
-    point too, so a race there shows on every run where their calls meet, not once in many. It does nothing outside a parallel phase, and costs nothing to leave in an
+    point too, so a race there shows on every run where their calls meet, not once in
+    many. It does nothing outside a parallel phase, and costs nothing to leave in an
     engine: a sequential run, a server and production never wait in it."""
     clock = getattr(_lane, "clock", None)
     if clock is not None:

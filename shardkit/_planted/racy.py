@@ -7,8 +7,8 @@ gives up the interpreter as a real engine's I/O, native call or lock would, so t
 race shows in a good share of the runs, not once in thousands. ``FreeDuringPrefill``, whose
 shrink and replay a self-test follows, makes its two sides wait for each other through
 ``yield_point`` instead: its race shows on every run of a phase that holds both, on a busy
-machine as on an idle one. Each declares
-``concurrent_calls``, as the fake it wraps does: the claim is the bug.
+machine as on an idle one. Each declares ``concurrent_calls``, as the fake it wraps does:
+the claim is the bug.
 """
 
 from __future__ import annotations
