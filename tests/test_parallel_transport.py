@@ -372,7 +372,7 @@ def test_a_worker_death_in_a_lane_is_the_failure_a_sequential_step_gets(
         assert violation.property == engine.PROPERTY, violation.message
         assert record.action.op == "parallel"
         assert record.expected == "an answer"
-        assert record.observed.startswith(f"engine process {'killed by SIGSEGV' if cancelled else 'missed its 1 s'}")
+        assert record.observed.startswith(f"engine process {'killed by SIGSEGV' if cancelled else f'missed its {engine.STEP_TIMEOUT:g} s'}")
         assert f"during step {record.index}, a parallel phase: no answer to " in record.observed
         assert f"{dies} decode(session='a', epoch=0, step={dies[1]}, tokens=[5])" in record.observed
         # Named: each lane's first call without an answer (its later calls found the worker gone).

@@ -2,13 +2,16 @@
 calls overlap, so only ``--concurrency`` finds it (a sequential run never flags it; the
 self-tests check both).
 
-Each opens its race window with ``time.sleep(0)`` (one with a millisecond's sleep), which
+Most open their race window with ``time.sleep(0)`` (one with a millisecond's sleep), which
 gives up the interpreter as a real engine's I/O, native call or lock would, so that the
-race shows in a good share of the runs, not once in thousands. ``FreeDuringPrefill``, whose
-shrink and replay a self-test follows, makes its two sides wait for each other through
-``yield_point`` instead: its race shows on every run of a phase that holds both, on a busy
-machine as on an idle one. Each declares ``concurrent_calls``, as the fake it wraps does:
-the claim is the bug.
+race shows in a good share of the runs, not once in thousands: the kit must find those
+without the engine's help. The three whose shrinking and replay the self-tests follow mark
+their window with ``yield_point`` instead when a lane of the kit's calls them in process
+(``FreeDuringPrefill`` makes its two sides wait for each other through it): their race then
+shows on every run of a phase where the racing calls meet, on a busy machine as on an idle
+one, where a bare thread switch showed it in fewer runs the busier the machine was. Served
+(a server's threads are no lanes) they switch threads as the others do. Each declares ``concurrent_calls``, as the fake it
+wraps does: the claim is the bug.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class DecodeCounterLostUpdate(RacyEngine):
 
     def decode(self, request: DecodeRequest) -> StepResult:
         seen = self.decodes
-        time.sleep(0)
+        _window()
         self.decodes = seen + 1
         return super().decode(request)
 
@@ -96,7 +99,7 @@ class SharedScratchToken(RacyEngine):
         if not isinstance(result.output, TokenOutput):
             return result
         self.scratch = result.output.token_id
-        time.sleep(0)
+        _window()
         return StepResult(result.status, result.cache, TokenOutput(self.scratch))
 
 
@@ -205,6 +208,7 @@ class FreeDuringPrefill(RacyEngine):
         call waits here for something other than this one (``partner`` may keep waiting:
         it waits for this one)."""
         if not in_parallel_phase():
+            time.sleep(0)  # a server's thread: a bare thread switch, as the other engines'
             return
         self.waiting.append(waiter)
         try:
@@ -301,6 +305,15 @@ class NonAtomicEpochBump(RacyEngine):
 
         fake._advance = advance_marking_restarts  # type: ignore[method-assign]
         fake.release_cache = wipe_then_let_others_in  # type: ignore[method-assign]
+
+
+def _window() -> None:
+    """A race window: in a lane of the kit's, a ``yield_point``; called from any other thread
+    (a server's, behind ``shardkit serve`` or ``--isolate``), a bare thread switch."""
+    if in_parallel_phase():
+        yield_point()
+    else:
+        time.sleep(0)
 
 
 RACY: tuple[type[RacyEngine], ...] = (
