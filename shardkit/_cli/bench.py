@@ -28,6 +28,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 from shardkit._cli.parser import BENCH_PLANTED_SEEDS
+from shardkit._core.checks import max_abs_difference
 from shardkit._core.conformance import assert_shard_engine_contract
 from shardkit._core.steps import PARALLEL_OP
 from shardkit._machine.build import build_machine
@@ -783,10 +784,7 @@ def _native_threads(config: BenchSettings) -> dict[str, Any] | str:
             "pinned_ms_by_round": [round(one.wall_s / NATIVE_PREFILLS_PER_RUN * 1e3, 2) for one in pinned],
         }
     reference = outputs[1][0]
-    max_difference = max(
-        float(np.max(np.abs(answer.astype(np.float64) - reference), initial=0.0))
-        for answer in outputs[cores] + outputs[1]
-    )
+    max_difference = max(max_abs_difference(reference, answer) for answer in outputs[cores] + outputs[1])
     return {
         "target": "shardkit:NumpyShardEngine",
         "layers": f"0-{total - 2} of {total} (head)",

@@ -33,6 +33,7 @@ __all__ = [
     "HistoryMemo",
     "MemoStore",
     "Payload",
+    "max_abs_difference",
     "metrics_text",
     "output_problems",
     "payload_difference",
@@ -182,13 +183,14 @@ def payload_difference(
             return f"row of shape {observed.shape}, expected {expected.shape}"
         if tolerance == 0.0:
             same = expected.tobytes() == observed.tobytes()
-            return None if same else f"row differs bit-wise (max abs diff {_max_diff(expected, observed):.3g})"
-        diff = _max_diff(expected, observed)
+            return None if same else f"row differs bit-wise (max abs diff {max_abs_difference(expected, observed):.3g})"
+        diff = max_abs_difference(expected, observed)
         return None if diff <= tolerance else f"row differs by {diff:.3g} > tolerance {tolerance:.3g}"
     return f"{type(observed).__name__} where {type(expected).__name__} was expected"
 
 
-def _max_diff(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) -> float:
+def max_abs_difference(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) -> float:
+    """The largest absolute difference of two arrays' values, in float64 (0.0 when empty)."""
     with np.errstate(invalid="ignore", over="ignore"):
         return float(np.max(np.abs(expected.astype(np.float64) - observed.astype(np.float64)), initial=0.0))
 

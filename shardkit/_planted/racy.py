@@ -10,8 +10,8 @@ their window with ``yield_point`` instead when a lane of the kit's calls them in
 (``FreeDuringPrefill`` makes its two sides wait for each other through it): their race then
 shows on every run of a phase where the racing calls meet, on a busy machine as on an idle
 one, where a bare thread switch showed it in fewer runs the busier the machine was. Served
-(a server's threads are no lanes) they switch threads as the others do. Each declares ``concurrent_calls``, as the fake it
-wraps does: the claim is the bug.
+(a server's threads are no lanes) they switch threads as the others do. Each declares
+``concurrent_calls``, as the fake it wraps does: the claim is the bug.
 """
 
 from __future__ import annotations
@@ -194,22 +194,23 @@ class FreeDuringPrefill(RacyEngine):
         session = request.session_id
         result, cached = self._stepped(session, lambda: super(FreeDuringPrefill, self).prefill(request))
         if result.status.ok:
-            self.freed.discard(session)
             # The prefill's compute, out of the lock: a free of the session lands in it.
-            self._wait(("window", session), lambda: session in self.freed, ("free", session))
+            if in_parallel_phase():
+                self.freed.discard(session)
+                self._wait(("window", session), lambda: session in self.freed, ("free", session))
+            else:
+                time.sleep(0)  # a server's thread: a bare thread switch, as the other engines'
             self._book(session, cached)
         return result
 
     def _free_lands_in_a_window(self, session: str) -> None:
-        self._wait(("free", session), lambda: ("window", session) in self.waiting)
+        if in_parallel_phase():
+            self._wait(("free", session), lambda: ("window", session) in self.waiting)
 
     def _wait(self, waiter: tuple[str, str], ready: Callable[[], bool], partner: tuple[str, str] | None = None) -> None:
-        """In a parallel phase, give the other lanes turns until ``ready()``, or until another
+        """Give the other lanes of a parallel phase turns until ``ready()``, or until another
         call waits here for something other than this one (``partner`` may keep waiting:
         it waits for this one)."""
-        if not in_parallel_phase():
-            time.sleep(0)  # a server's thread: a bare thread switch, as the other engines'
-            return
         self.waiting.append(waiter)
         try:
             turns = 0
