@@ -1,5 +1,5 @@
 """``python -m shardkit`` is the ``shardkit`` command."""
 
-from shardkit._cli.main import main
+from shardkit._cli.supervise import command_line
 
-raise SystemExit(main())
+raise SystemExit(command_line())

@@ -434,6 +434,11 @@ class HealthResult:
 
 @dataclass(frozen=True)
 class MetricsResult:
+    """The engine's counters (contract §2 metrics): ``prefill_calls`` and ``decode_calls``
+    count every call received, refused ones and idempotent retries included (a retry
+    changes nothing else, but it is a call); ``active_sessions`` the sessions holding a
+    slot, cancelled ones included; ``kv_tokens`` the tokens cached over all sessions."""
+
     prefill_calls: int
     decode_calls: int
     active_sessions: int

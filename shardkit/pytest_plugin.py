@@ -15,6 +15,7 @@ import pytest
 # Registers the shardkit-* profiles as pytest loads this plugin, before Hypothesis's own
 # plugin loads the profile --hypothesis-profile names.
 from shardkit._machine import profiles as _profiles
+from shardkit._process import session as session_supervision
 
 if TYPE_CHECKING:
     from shardkit._run.suite import SuiteOverrides
@@ -30,6 +31,8 @@ OUT_OPTION = "--shardkit-out"
 OVERRIDES_KEY: pytest.StashKey[SuiteOverrides] = pytest.StashKey()
 #: The ids of the tests whose machine runs in more than one test of the session.
 SHARED_MACHINE_TESTS_KEY: pytest.StashKey[frozenset[str]] = pytest.StashKey()
+#: The session's exit status, for the verdict a supervised session sends (docs/process.md).
+EXIT_STATUS_KEY: pytest.StashKey[int] = pytest.StashKey()
 #: How the pytest-xdist controller hands its seed to its workers (``workerinput``).
 WORKER_SEED_KEY = "shardkit_seed"
 
@@ -106,6 +109,30 @@ def pytest_configure(config: pytest.Config) -> None:
         seed = _seed(seed_text) if seed_text is not None else None
     config.stash[OVERRIDES_KEY] = SuiteOverrides(engine=engine, seed=seed, out=Path(out) if out else None)
     config.stash[SHARED_MACHINE_TESTS_KEY] = frozenset()
+    session_supervision.begin_session(config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """A session that runs shardkit suites runs its tests in a child process whose verdict
+    the engine cannot change by ending it (docs/process.md)."""
+    session_supervision.supervise_session(session)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tell a supervising parent which test runs: the one a process's end is blamed on."""
+    session_supervision.on_test_start(item.config, item.nodeid)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[EXIT_STATUS_KEY] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session_supervision.end_session(config, config.stash.get(EXIT_STATUS_KEY, int(pytest.ExitCode.INTERNAL_ERROR)))
 
 
 @pytest.hookimpl(optionalhook=True)

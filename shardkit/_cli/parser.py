@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_CLOSED, EXIT_USAGE
 from shardkit._core.targets import DEFAULT_TARGET, is_remote_address, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
@@ -19,6 +20,7 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_OUTPUT_CLOSED",
     "EXIT_USAGE",
     "build_parser",
     "check_isolation_options",
@@ -27,11 +29,8 @@ __all__ = [
     "one_line",
 ]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 #: Seeds at which ``shardkit bench`` fuzzes each planted engine (a found-at-one-seed is luck).
 BENCH_PLANTED_SEEDS = 5
-EXIT_INTERRUPTED = 130  # Ctrl-C before any failure was found, as shells report SIGINT
-EXIT_OUTPUT_CLOSED = 141  # the reader of stdout went away (`| head`), as shells report SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):

@@ -106,10 +106,17 @@ class _Probe:
             call = f"release(session={session_id!r})"
             raise _CheckFailed(call, str(predicted), f"{observed.code.name} {observed.message!r}")
 
-    def expect_metrics(self, when: str) -> None:
+    def expect_metrics(self, when: str, rule: str = "every call counts, refused ones and retries included") -> None:
+        """All four counters against the reference model's, which counted every call sent so far."""
         observed, expected = self.engine.metrics(), self.model.expected_metrics()
         if observed != expected:
-            raise _CheckFailed(f"metrics() {when}", metrics_text(expected), metrics_text(observed))
+            names = ("prefill_calls", "decode_calls", "active_sessions", "kv_tokens")
+            differ = [name for name in names if getattr(observed, name) != getattr(expected, name)]
+            raise _CheckFailed(
+                f"metrics() {when}",
+                f"{metrics_text(expected)} by §2 metrics ({rule})",
+                f"{metrics_text(observed)} ({', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'})",
+            )
 
     def _inputs(
         self, session_id: str, epoch: int, step: int, count: int, first: int
@@ -199,14 +206,15 @@ def _retry_is_idempotent(make_engine: EngineFactory) -> None:
     probe = _Probe(make_engine)
     probe.prefill("a", 0, 0, count=3)
     first = probe.decode("a", 0, 1, first=5)
-    before = probe.engine.metrics()
+    probe.expect_metrics("after a decode")
     again = probe.decode("a", 0, 1, first=5)
     if again != first:
         raise _CheckFailed("decode(step=1) sent twice", f"the first result again, {first!r}", repr(again))
-    after = probe.engine.metrics()
-    if (after.kv_tokens, after.active_sessions) != (before.kv_tokens, before.active_sessions):
-        raise _CheckFailed("metrics() after a repeated decode", metrics_text(before), metrics_text(after))
+    # The model's counts, not the engine's before the retry: a retry is a call (decode_calls
+    # grows by one) that caches nothing (kv_tokens and active_sessions stay).
+    probe.expect_metrics("after a repeated decode", "a retry counts as a call and adds no tokens")
     probe.decode("a", 0, 2)
+    probe.expect_metrics("after the next decode")
 
 
 def _same_inputs_same_outputs(make_engine: EngineFactory) -> None:

@@ -84,8 +84,36 @@ class Linearization(Generic[Step]):
         return self.order is not None
 
 
-class _Budget(Exception):
-    """The search visited ``max_states`` states without a verdict."""
+class _Node(Generic[Step]):
+    """One step of the order being built, linked to the steps before it: the order shares
+    its prefix with every order the search took it from, so keeping one costs one node, not
+    a copy of the whole order (the longest order seen is kept this way too)."""
+
+    __slots__ = ("length", "parent", "slot", "timed")
+
+    def __init__(self, timed: TimedStep[Step], slot: int, parent: _Node[Step] | None) -> None:
+        self.timed = timed
+        self.slot = slot
+        self.parent = parent
+        self.length: int = 1 if parent is None else parent.length + 1
+
+
+def _steps_of(node: _Node[Step] | None) -> tuple[TimedStep[Step], ...]:
+    steps: list[TimedStep[Step]] = []
+    while node is not None:
+        steps.append(node.timed)
+        node = node.parent
+    return tuple(reversed(steps))
+
+
+@dataclass
+class _Frame(Generic[State, Step]):
+    """A state the search stands in: the candidates it may place next and how far it got."""
+
+    state: State
+    candidates: list[tuple[int, TimedStep[Step]]]
+    tried: int = 0
+    rejections: list[Rejection[Step]] = field(default_factory=list)
 
 
 def linearize(
@@ -97,49 +125,87 @@ def linearize(
     max_states: int = DEFAULT_MAX_STATES,
 ) -> Linearization[Step]:
     """Search an order of ``steps`` that respects their real-time order and that the model
-    accepts from ``initial``; see the module's docstring for ``apply`` and ``key``."""
+    accepts from ``initial``; see the module's docstring for ``apply`` and ``key``.
+
+    The search is a depth-first walk with its own stack, never Python's: an order is as
+    long as the steps (8 lanes of 1,000 calls, the most a trace may hold, make 8,001 with
+    the metrics after them), far deeper than the interpreter's recursion limit. Only the
+    first pending step of each lane can be placed next (a lane's later steps started after
+    it ended), so each state costs the lanes, not the steps, and is remembered by how many
+    steps of each lane it has placed."""
     _check_clock(steps)
-    ordered = sorted(steps, key=lambda timed: timed.started)
-    seen: set[tuple[int, Hashable]] = set()
+    lanes = _lanes_of(steps)
+    total = sum(len(lane) for lane in lanes)
+    placed = [0] * len(lanes)
+    seen: set[tuple[tuple[int, ...], Hashable]] = set()
     explored = 0
-    closest: tuple[TimedStep[Step], ...] = ()
+    path: _Node[Step] | None = None
+    closest: _Node[Step] | None = None
     breaks: tuple[Rejection[Step], ...] = ()
-    everything = (1 << len(ordered)) - 1
-
-    def search(done: int, state: State, order: tuple[TimedStep[Step], ...]) -> tuple[TimedStep[Step], ...] | None:
-        nonlocal explored, closest, breaks
-        if done == everything:
-            return order
+    frames: list[_Frame[State, Step]] = []
+    state = initial
+    while True:
+        # Stand in ``state``, reached by ``path``: the whole order, a state met before, or a new one.
+        if (path is not None and path.length == total) or total == 0:
+            return Linearization(_steps_of(path), explored)
         state_key = None if key is None else key(state)
+        fresh = True
         if state_key is not None:
-            if (done, state_key) in seen:
-                return None
-            seen.add((done, state_key))
-        explored += 1
-        if explored > max_states:
-            raise _Budget
-        pending = [(bit, timed) for bit, timed in enumerate(ordered) if not done >> bit & 1]
-        horizon = min(timed.ended for _, timed in pending)
-        rejections: list[Rejection[Step]] = []
-        for bit, timed in pending:
-            if timed.started > horizon:
-                break  # sorted by start: every later step started after a pending one ended
-            after = apply(state, timed.step)
-            if isinstance(after, str):
-                rejections.append(Rejection(timed, after))
-                continue
-            found = search(done | 1 << bit, after, (*order, timed))
-            if found is not None:
-                return found
-        if rejections and len(order) >= len(closest):
-            closest, breaks = order, tuple(rejections)
-        return None
+            memo = (tuple(placed), state_key)
+            fresh = memo not in seen
+            seen.add(memo)
+        if fresh:
+            explored += 1
+            if explored > max_states:
+                return Linearization(None, explored, unknown=True, closest=_steps_of(closest), breaks=breaks)
+            frames.append(_Frame(state, _candidates(lanes, placed)))
+        elif frames:
+            path = _back(path, placed)
+        # Place the next candidate of the innermost state that has one; leave each that has none.
+        while True:
+            frame = frames[-1]
+            if frame.tried < len(frame.candidates):
+                slot, timed = frame.candidates[frame.tried]
+                frame.tried += 1
+                after = apply(frame.state, timed.step)
+                if isinstance(after, str):
+                    frame.rejections.append(Rejection(timed, after))
+                    continue
+                placed[slot] += 1
+                path = _Node(timed, slot, path)
+                state = after
+                break
+            depth = 0 if path is None else path.length
+            if frame.rejections and depth >= (0 if closest is None else closest.length):
+                closest, breaks = path, tuple(frame.rejections)
+            frames.pop()
+            if not frames:
+                return Linearization(None, explored, closest=_steps_of(closest), breaks=breaks)
+            path = _back(path, placed)
 
-    try:
-        found = search(0, initial, ())
-    except _Budget:
-        return Linearization(None, explored, unknown=True, closest=closest, breaks=breaks)
-    return Linearization(found, explored, closest=() if found else closest, breaks=() if found else breaks)
+
+def _lanes_of(steps: Sequence[TimedStep[Step]]) -> list[list[TimedStep[Step]]]:
+    """The steps lane by lane, each lane in its order."""
+    by_lane: dict[int, list[TimedStep[Step]]] = {}
+    for timed in steps:
+        by_lane.setdefault(timed.lane, []).append(timed)
+    return [sorted(by_lane[lane], key=lambda timed: timed.index) for lane in sorted(by_lane)]
+
+
+def _candidates(lanes: list[list[TimedStep[Step]]], placed: list[int]) -> list[tuple[int, TimedStep[Step]]]:
+    """The steps that may come next, by start: each lane's first pending step that started
+    before every pending step ended (a step that finished before another started stays
+    before it). A lane's later steps started after its first pending one ended."""
+    heads = [(slot, lane[placed[slot]]) for slot, lane in enumerate(lanes) if placed[slot] < len(lane)]
+    horizon = min(timed.ended for _, timed in heads)
+    return sorted(((slot, timed) for slot, timed in heads if timed.started <= horizon), key=lambda head: head[1].started)
+
+
+def _back(path: _Node[Step] | None, placed: list[int]) -> _Node[Step] | None:
+    """Take the last step off the order being built."""
+    assert path is not None
+    placed[path.slot] -= 1
+    return path.parent
 
 
 def _check_clock(steps: Sequence[TimedStep[Step]]) -> None:

@@ -18,7 +18,7 @@ from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepR
 from shardkit._core.outcomes import status_text
 from shardkit.contract import MetricsResult, PrefillRequest, StepResult, StructuredStatus
 
-__all__ = ["ObservedCall", "apply_call", "model_key"]
+__all__ = ["ObservedCall", "apply_call", "counts_no_order_explains", "model_key"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,24 @@ def _session_key(session: SessionState) -> Hashable:
         session.last_cache,
         session.history,
     )
+
+
+def counts_no_order_explains(model: ReferenceModel, calls: list[ObservedCall], metrics: MetricsResult) -> str | None:
+    """Why no order of ``calls`` from ``model`` can end in ``metrics``, judged on what every
+    order agrees on, or None where that cannot tell. The kit's own model counts every prefill
+    and every decode, whatever it answers, so any order of the calls ends with the same
+    ``prefill_calls`` and ``decode_calls``: a lost update of those counters is found without
+    searching orders (the search may run out of states on long lanes first). A model of
+    another class may count otherwise: it is not judged here."""
+    if type(model) is not ReferenceModel:
+        return None
+    prefills = model.prefill_calls + sum(1 for call in calls if call.op == "prefill")
+    decodes = model.decode_calls + sum(1 for call in calls if call.op == "decode")
+    if (metrics.prefill_calls, metrics.decode_calls) == (prefills, decodes):
+        return None
+    return (
+        f"no order of these calls explains their answers: in every order the model counts prefill_calls={prefills} "
+        f"decode_calls={decodes} after them (each prefill and decode counts, whatever it answers), and metrics() "
+        f"after the lanes answered {metrics_text(metrics)}"
+    )
+

@@ -23,7 +23,7 @@ from shardkit._core.steps import PARALLEL_OP, Action, build_request, phase_actio
 from shardkit._core.targets import ProcessDeath, passes_through
 from shardkit._parallel.lanes import Raised, run_lanes
 from shardkit._parallel.linearize import DEFAULT_MAX_STATES, Linearization, TimedStep, linearize
-from shardkit._parallel.observed import ObservedCall, apply_call, model_key
+from shardkit._parallel.observed import ObservedCall, apply_call, counts_no_order_explains, model_key
 from shardkit.contract import MetricsResult, PrefillRequest, StepResult, StructuredStatus
 
 __all__ = ["LINEARIZABILITY", "PARALLEL_OPS", "run_parallel"]
@@ -75,6 +75,12 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
     after = TimedStep(len(lanes), 0, last + 1, last + 2, ObservedCall("metrics", metrics))
     found = linearize([*calls, after], driver.model, apply_call, model_key)
     if found.unknown:
+        # No verdict from the search (long lanes with no order that explains them run it out
+        # of states); what every order agrees on may still rule each of them out.
+        counted = counts_no_order_explains(driver.model, [timed.step for timed in calls], metrics)
+        if counted is not None:
+            searched = f"{counted}; the search for an order ran out of its {DEFAULT_MAX_STATES:,} states first"
+            _fail(driver, LINEARIZABILITY, searched, ran, actions)
         driver.caveats.add(
             f"a parallel phase: the search for an order that explains it visited its {DEFAULT_MAX_STATES:,} "
             "states without a verdict"

@@ -29,6 +29,7 @@ from shardkit._machine.profiles import time_independent
 from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._run.regression import regression_test_source
 from shardkit._run.trace import trace_document, write_atomically, write_new
+from shardkit._run.trust import CODE_KEYS
 
 __all__ = ["Artefacts", "machine_identity", "run_settings_for"]
 
@@ -126,7 +127,7 @@ class Artefacts:
         stem = f"{self.label}-{failure.load_request.role}-{_slug(failure.violation.property)}"
         try:
             trace_path, _ = self._claim(stem, document)
-            test_path = self._write_regression_test(trace_path, failure)
+            test_path = self._write_regression_test(trace_path, failure, document)
         except OSError as error:
             where = error.filename or self.out
             self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
@@ -153,7 +154,7 @@ class Artefacts:
                 trace_path, ours = write_atomically(earlier[2], document), True
             else:
                 trace_path, ours = self._claim(stem, document)
-            self._write_regression_test(trace_path, failure)
+            self._write_regression_test(trace_path, failure, document)
         except OSError as error:
             where = error.filename or self.out
             self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
@@ -164,9 +165,10 @@ class Artefacts:
         self._kept = (len(failure.records), failure.violation.property, trace_path, ours)
         return trace_path
 
-    def _write_regression_test(self, trace_path: Path, failure: FailureReport) -> Path:
+    def _write_regression_test(self, trace_path: Path, failure: FailureReport, document: dict[str, Any]) -> Path:
         test_path = _regression_test_path(trace_path)
-        write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed))
+        code = {key: value for key in CODE_KEYS if isinstance(value := document.get(key), str)}
+        write_atomically(test_path, regression_test_source(trace_path.name, failure.violation, self.seed, code))
         return test_path
 
     def _claim(self, stem: str, document: dict[str, Any]) -> tuple[Path, bool]:

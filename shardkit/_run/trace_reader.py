@@ -14,6 +14,13 @@ imports anything.
   (``"version": true`` or ``1.0`` is not version 1, ``"twins": 1`` is not true),
   every step checked — so a damaged or hostile file is refused with one clear
   reason before anything runs. It is parsed with ``json``, never pickle or ``eval``.
+* **Bounded.** What a trace may ask of the replay is bounded too: steps, tokens, the
+  lanes of a parallel phase, each delay fault and the delay faults in all
+  (``MAX_TOTAL_DELAY_SECONDS``), a seed in ``[0, 2**64)``, finite numbers only (``1e999``
+  reads as infinity and is refused as NaN is).
+
+``read_regular_file`` is the file half of this, shared with ``shardkit report``, which
+reads a user's file the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -38,9 +45,11 @@ from shardkit.errors import TraceFormatError
 
 __all__ = [
     "LOCATION_KEYS",
+    "MAX_TOTAL_DELAY_SECONDS",
     "MAX_TRACE_BYTES",
     "Trace",
     "check_custom_steps",
+    "read_regular_file",
     "read_trace",
 ]
 
@@ -50,6 +59,8 @@ MAX_TOKENS = 65_536
 MAX_TEXT = 65_536
 MAX_INT = 2**64
 MAX_DELAY_SECONDS = 10.0
+#: The delay faults of one trace, added up: replay waits them out, one run after another.
+MAX_TOTAL_DELAY_SECONDS = 60.0
 MAX_RECIPE_KEYS = 256
 #: A parallel phase's lanes, and the steps of one lane.
 MAX_LANES = 8
@@ -162,53 +173,58 @@ _NOT_REGULAR = (
 )
 
 
-def _refuse_unless_regular(path: Path, mode: int) -> None:
+def _refuse_unless_regular(path: Path, mode: int, noun: str, fix: str, error: Callable[[str], Exception]) -> None:
     if stat.S_ISREG(mode):
         return
     kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
-    message = f"{path} is {kind}, not a trace file; pass the path of a .json trace shardkit fuzz wrote"
-    raise TraceFormatError(message)
+    raise error(f"{path} is {kind}, not a {noun} file; {fix}")
 
 
-def _read_bytes(path: Path) -> bytes:
-    """At most ``MAX_TRACE_BYTES`` of a regular file: what is not one is refused before it is read."""
+def read_regular_file(
+    path: Path, *, limit: int, noun: str, fix: str, error: Callable[[str], Exception] = TraceFormatError
+) -> bytes:
+    """At most ``limit`` bytes of a regular file: a FIFO, a device (``/dev/zero``), a folder
+    or a socket is refused before it is opened for reading, a file larger than ``limit``
+    before a byte is read. Every refusal is ``error(one line)``, naming the file as a
+    ``noun`` ("trace", "report") and ending with ``fix``. Shared by every command that reads
+    a file a user names: ``shardkit replay`` (a trace), ``shardkit report`` (a run report)."""
     try:
-        _refuse_unless_regular(path, os.stat(path).st_mode)
+        _refuse_unless_regular(path, os.stat(path).st_mode, noun, fix, error)
         # O_NONBLOCK: were the path swapped for a FIFO after the stat, opening it must not hang;
         # fstat then checks the file actually opened.
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
         handle = os.open(path, flags)
-    except OSError as error:
-        message = f"cannot read trace {path}: {error.strerror or error}"
-        raise TraceFormatError(message) from None
+    except OSError as failed:
+        raise error(f"cannot read {noun} {path}: {failed.strerror or failed}; {fix}") from None
     try:
         opened = os.fstat(handle)
-        _refuse_unless_regular(path, opened.st_mode)
-        if opened.st_size > MAX_TRACE_BYTES:
-            message = f"{path}: {opened.st_size} bytes is larger than a trace may be ({MAX_TRACE_BYTES})"
-            raise TraceFormatError(message)
+        _refuse_unless_regular(path, opened.st_mode, noun, fix, error)
+        if opened.st_size > limit:
+            raise error(f"{path}: {opened.st_size} bytes is larger than a {noun} may be ({limit}); {fix}")
         chunks: list[bytes] = []
-        left = MAX_TRACE_BYTES + 1
+        left = limit + 1
         while left > 0:
             chunk = os.read(handle, min(left, 1 << 20))
             if not chunk:
                 break
             chunks.append(chunk)
             left -= len(chunk)
-    except OSError as error:
-        message = f"cannot read trace {path}: {error.strerror or error}"
-        raise TraceFormatError(message) from None
+    except OSError as failed:
+        raise error(f"cannot read {noun} {path}: {failed.strerror or failed}; {fix}") from None
     finally:
         os.close(handle)
     data = b"".join(chunks)
-    if len(data) > MAX_TRACE_BYTES:
-        message = f"{path} grew past the {MAX_TRACE_BYTES} bytes a trace may have while it was read"
-        raise TraceFormatError(message)
+    if len(data) > limit:
+        raise error(f"{path} grew past the {limit} bytes a {noun} may have while it was read; {fix}")
     return data
 
 
+#: What a file that is not a trace is asked to be instead.
+_TRACE_FIX = "pass the path of a .json trace shardkit fuzz wrote"
+
+
 def _parse(path: Path) -> Mapping[str, Any]:
-    data = _read_bytes(path)
+    data = read_regular_file(path, limit=MAX_TRACE_BYTES, noun="trace", fix=_TRACE_FIX)
     text = ""
     try:
         text = data.decode("utf-8")
@@ -273,8 +289,9 @@ def read_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
         raise schema.fail("twins", f"must be true or false, got {_short(twins)}")
     reference = schema.optional_text(document, "reference")
     seed = document.get("seed")
-    if seed is not None:
-        seed = schema.integer(seed, "seed", 0, MAX_INT)
+    if seed is not None and (type(seed) is not int or not 0 <= seed < MAX_INT):
+        # A seed is what `shardkit fuzz --seed` takes: 2**64 itself is one too many.
+        raise schema.fail("seed", f"must be an integer in [0, 2**64), got {_short(seed)}; write the seed the run printed, or null")
     isolation = _isolation(schema, document.get("isolate"))
     machine = _code_name(schema, document, "machine")
     model = _code_name(schema, document, "model")
@@ -291,6 +308,7 @@ def read_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     deferred = custom_ops is None and machine is not None
     context = _StepContext(custom_ops or {}, deferred, needs_python)
     actions = tuple(_action(schema, step, index, context) for index, step in enumerate(steps, start=1))
+    _check_total_delay(path, actions)
     failure = schema.object(schema.field(document, "failure", "the trace"), "failure")
     violation = Violation(
         schema.text(schema.field(failure, "property", "failure"), "failure.property"),
@@ -316,6 +334,20 @@ def read_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     )
 
 
+def _check_total_delay(path: Path, actions: Sequence[Action]) -> None:
+    """Replay waits out every delay fault (at most ``MAX_DELAY_SECONDS`` each), so a trace of
+    many may ask for hours; their sum is capped too, read before anything runs."""
+    delays = [float(action.args["value"]) for action in actions if action.op == "fault" and action.args["kind"] == "delay"]
+    total = math.fsum(delays)
+    if total > MAX_TOTAL_DELAY_SECONDS:
+        message = (
+            f"{path} holds {len(delays)} delay faults that add up to {total:g} seconds; a trace may wait "
+            f"at most {MAX_TOTAL_DELAY_SECONDS:g} seconds in all ({MAX_DELAY_SECONDS:g} a fault): delete delay "
+            f"faults or lower their values until they add up to {MAX_TOTAL_DELAY_SECONDS:g} or less"
+        )
+        raise TraceFormatError(message)
+
+
 def _load_request(schema: _Schema, value: Any) -> LoadRequest:
     load = schema.object(value, "load_request")
     total = schema.integer(schema.field(load, "total_layers", "load_request"), "load_request.total_layers", 1, 2**16)
@@ -331,6 +363,13 @@ def _load_request(schema: _Schema, value: Any) -> LoadRequest:
         elif item is not None and type(item) not in (bool, int, float):
             raise schema.fail(
                 f"load_request.recipe.{key}", f"must be a string, number, true/false or null, got {_short(item)}"
+            )
+        elif type(item) is float and not math.isfinite(item):
+            # json reads a number too large for a float (1e999) as infinity, which JSON cannot hold.
+            raise schema.fail(
+                f"load_request.recipe.{key}",
+                f"must be a finite number, got {_short(item)} (a number too large for a float, such as 1e999); "
+                "write a finite value",
             )
     return LoadRequest(model_id, start, end, total, recipe)
 

@@ -15,7 +15,8 @@ piece, apart from the parser below it and the driver above it.
      ``ReferenceModel``); or
   2. its code lies inside the current folder's tree — the project replay is run
      from — and not in an installed-packages folder (``site-packages``, a virtual
-     environment) there: for ``path/to/file.py:attr`` the file; for ``module:attr``
+     environment: any folder below the project's holding a ``pyvenv.cfg``, the one
+     shardkit runs from or any other) there: for ``path/to/file.py:attr`` the file; for ``module:attr``
      the file of the module and of each package above it, found on ``sys.path``,
      then in the current folder, then in the folder the trace recorded, by the
      path finder alone, without importing or running anything (a module that cannot
@@ -25,7 +26,10 @@ piece, apart from the parser below it and the driver above it.
   3. the user chose it: ``--engine TARGET`` (``target=``) replays against an engine the
      user names, and ``--trust`` (``trust=True``) builds what the trace names wherever
      it is. A generated regression test passes ``trust=True``: it is a Python file the
-     user chose to run.
+     user chose to run; and it names the code it builds in its own source (``CODE``,
+     passed as ``code=``), so that the trace beside it cannot change what runs: a trace
+     that names other code (``check_named_code``) is refused. A test of the older form,
+     which built whatever its trace named, is refused too, asking to be regenerated.
 
   Anything else stops the replay with ``UntrustedTarget`` (exit 2), which names the
   target, where its code is, and the fixes: run replay from the project folder, pass
@@ -33,8 +37,10 @@ piece, apart from the parser below it and the driver above it.
 * **A recorded worker command runs only a program of the project's.** A trace of a
   ``--worker-command`` run names the command; replay starts it only if its program is a
   file inside the current project (given with a ``/``, as ``build/my_worker``), and not a
-  program found on ``PATH`` (``python3``, ``sh``, ``docker``), whose arguments could make
-  it do anything; otherwise the user chooses: ``--trust``, or ``--worker-command CMD``
+  program found on ``PATH`` (``python3``, ``sh``, ``docker``) nor one of a virtual
+  environment (``.venv2/bin/python``, ``.venv2/bin/pip``: a ``pyvenv.cfg`` in a folder
+  above it, as the link or as the file it leads to), whose arguments could make it do
+  anything; otherwise the user chooses: ``--trust``, or ``--worker-command CMD``
   (``target=worker_command_target(CMD)``).
 * **Remote targets connect rather than run code here.** ``unix:PATH`` and ``grpc://``
   on a loopback address (``localhost``, ``127.0.0.0/8``, ``[::1]``) replay as recorded;
@@ -50,6 +56,7 @@ import os
 import sys
 import sysconfig
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -63,7 +70,26 @@ from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ShardEngine
 from shardkit.errors import InvalidTarget, TraceFormatError, UntrustedTarget
 
-__all__ = ["Admitted", "admit", "build_recorded_machine", "file_target_outside_project", "resolve_admitted"]
+__all__ = [
+    "CODE_KEYS",
+    "Admitted",
+    "admit",
+    "build_recorded_machine",
+    "check_named_code",
+    "file_target_outside_project",
+    "named_code",
+    "resolve_admitted",
+]
+
+#: The keys of a trace that name code to build, and where to find it: what a generated
+#: regression test names in its own source (its ``CODE``).
+CODE_KEYS = (
+    "target",
+    "reference",
+    "machine",
+    "model",
+    *(f"{role}_{kind}" for role in ("target", "reference", "machine", "model") for kind in ("file", "path")),
+)
 
 _ROLE_WORDS = MappingProxyType(
     {"target": "engine target", "reference": "reference", "machine": "machine", "model": "model"}
@@ -99,12 +125,40 @@ def _installed(path: Path) -> bool:
     if any(part in ("site-packages", "dist-packages") for part in path.parts):
         return True
     prefixes = {Path(prefix).resolve() for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return any(path.is_relative_to(prefix) for prefix in prefixes if not _project().is_relative_to(prefix))
+    if any(path.is_relative_to(prefix) for prefix in prefixes if not _project().is_relative_to(prefix)):
+        return True
+    return _virtual_environment(path) is not None
+
+
+def _virtual_environment(path: Path) -> Path | None:
+    """The virtual environment ``path`` lies in: the nearest folder above it that holds a
+    ``pyvenv.cfg`` (``python -m venv`` writes one at its root), whichever environment it
+    is. A folder that holds the project itself does not count: the project is the user's."""
+    path = Path(os.path.abspath(path))  # the path as named: a link is not followed
+    projects = {_project(), Path(os.path.abspath(os.getcwd()))}
+    for folder in path.parents:
+        if any(project.is_relative_to(folder) for project in projects):
+            return None
+        if (folder / "pyvenv.cfg").is_file():
+            return folder
+    return None
 
 
 def _inside_project(path: Path) -> bool:
-    path = path.resolve()
-    return path.is_relative_to(_project()) and not _installed(path)
+    """Inside the current folder's tree and not installed there: neither the path as named
+    (``.venv2/bin/python3``, a link) nor the file it leads to lies in a virtual environment."""
+    resolved = path.resolve()
+    return resolved.is_relative_to(_project()) and not _installed(resolved) and _virtual_environment(path) is None
+
+
+def _outside(path: Path) -> str:
+    """Why ``path``, which the rule does not count as the project's, is not: it lies in a
+    virtual environment inside the project, or outside the project."""
+    if path.resolve().is_relative_to(_project()):
+        venv = _virtual_environment(path) or _virtual_environment(path.resolve())
+        if venv is not None:
+            return f"in the virtual environment {venv}"
+    return "outside the current project"
 
 
 def file_target_outside_project(name: str) -> bool:
@@ -135,7 +189,14 @@ def _admit_worker_command(trace: Trace, role: str, name: str, command: str, trus
         where = f"the program {program!r}, which is not a file from here (a relative path in the command is relative to the folder the run started in)"
         fixes = "run shardkit replay from that folder, or name the worker's command with paths from here: --worker-command CMD"
     elif not _inside_project(path):
-        where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
+        venv = _virtual_environment(path) or _virtual_environment(path.resolve())
+        if venv is not None:
+            where = (
+                f"the program {program!r}, of the virtual environment {venv} (a pyvenv.cfg there), "
+                "which could run anything with its arguments"
+            )
+        else:
+            where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
     else:
         return Admitted(role, name, name, origin=path.resolve())
     message = f"{trace.path} names the worker command {command!r}, which runs {where}; {fixes}"
@@ -192,8 +253,10 @@ def admit(trace: Trace, role: str, name: str, trust: bool) -> Admitted:
         outside = [origin for origin in origins if not _inside_project(origin)]
         if outside and not trust:
             shown = origins[-1] if origins[-1] in outside else outside[0]
-            kind = "an installed or standard-library module at" if _installed(shown) else "at"
-            raise _untrusted(trace, role, name, f"{kind} {shown}, outside the current project")
+            phrase = _outside(shown)
+            installed = _installed(shown) and phrase == "outside the current project"
+            kind = "an installed or standard-library module at" if installed else "at"
+            raise _untrusted(trace, role, name, f"{kind} {shown}, {phrase}")
         top = module.split(".")[0]
         if entry is None and top not in sys.modules and find_module_spec(top, list(sys.path)) is None:
             entry = os.getcwd()  # found in the current folder, which is not on sys.path (a console script)
@@ -227,8 +290,8 @@ def _admit_file(trace: Trace, role: str, name: str, module: str, attr: str, trus
     if chosen is None:
         return Admitted(role, name, name, trusted=trust)  # resolve_target says there is no file there
     origin = chosen.resolve()
-    if not _inside_project(origin) and not trust:
-        raise _untrusted(trace, role, name, f"the file {origin}, outside the current project")
+    if not (_inside_project(chosen) and _inside_project(origin)) and not trust:
+        raise _untrusted(trace, role, name, f"the file {origin}, {_outside(chosen)}")
     return Admitted(role, name, f"{origin}:{attr}", origin, trusted=trust)
 
 
@@ -327,3 +390,52 @@ def build_recorded_machine(trace: Trace, admitted: Admitted) -> Any:
         message = f"{trace.path}: machine {trace.machine!r} is a {type(machine).__name__}, not a ShardMachine subclass"
         raise TraceFormatError(message)
     return machine
+
+
+def named_code(trace: Trace) -> dict[str, str]:
+    """The code ``trace`` names, by ``CODE_KEYS``: its names and where it was found."""
+    values: dict[str, str | None] = {
+        "target": trace.target,
+        "reference": trace.reference,
+        "machine": trace.machine,
+        "model": trace.model,
+        **trace.locations,
+    }
+    return {key: value for key in CODE_KEYS if (value := values.get(key)) is not None}
+
+
+def _code_words(key: str, value: str | None) -> str:
+    role, _, kind = key.partition("_")
+    if role == "target" and value is not None and worker_command_of(value) is not None:
+        return "the worker command"
+    what = {"": "", "file": "'s file", "path": "'s import path entry"}[kind]
+    return f"the {_ROLE_WORDS[role]}{what}"
+
+
+def check_named_code(trace: Trace, code: Mapping[str, str | None]) -> None:
+    """Refuse ``trace`` unless it names exactly the code ``code`` does (keys of ``CODE_KEYS``,
+    a missing key or None naming nothing): a generated regression test passes its ``CODE``,
+    so that what it runs is what its own source says, whatever the trace beside it says."""
+    unknown = sorted(set(code) - set(CODE_KEYS))
+    if unknown:
+        message = f"code= takes the keys {', '.join(CODE_KEYS)}; got {', '.join(map(repr, unknown))}"
+        raise ValueError(message)
+    recorded = named_code(trace)
+    differences = []
+    for key in CODE_KEYS:
+        ours, theirs = code.get(key), recorded.get(key)
+        if ours == theirs:
+            continue
+        words = _code_words(key, theirs if theirs is not None else ours)
+        if theirs is None:
+            differences.append(f"names no {words.removeprefix('the ')} where the regression test's CODE names {ours!r}")
+        elif ours is None:
+            differences.append(f"names {words} {theirs!r}, which the regression test's CODE does not name")
+        else:
+            differences.append(f"names {words} {theirs!r} where the regression test's CODE names {ours!r}")
+    if differences:
+        message = (
+            f"{trace.path} {'; and '.join(differences)}: a regression test replays only the code it names itself; "
+            "put back the trace it was generated with, or regenerate both with the shardkit fuzz run that found the failure"
+        )
+        raise UntrustedTarget(message)

@@ -176,12 +176,12 @@ class _Worker:
         time.sleep(0.05)  # the dump is written thread by thread
 
     def kill(self) -> None:
+        # Its whole process group (the worker leads its own session), even once the worker has
+        # ended: what the engine or a foreign command (a shell, a launcher) started goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
-            if self.foreign and self.process.poll() is None:
-                # Its own process group: a command that started helpers (a shell, a launcher) leaves none.
-                os.killpg(self.process.pid, signal.SIGKILL)
-            else:
-                self.process.kill()
+            self.process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(_KILLED_SECONDS)
         self._release()
