@@ -245,16 +245,7 @@ def test_a_correct_suite_passes_and_says_nothing_more(engines: Path) -> None:
     assert run.stderr == ""
 
 
-def test_under_pytest_xdist_a_worker_names_the_threads_and_stops_the_processes_its_tests_left(engines: Path) -> None:
-    folder = engines.parent
-    threads = pytest_run(folder, "LeavesAThreadRunning", "-n", "2")
+def test_under_pytest_xdist_a_worker_names_the_threads_its_tests_left(engines: Path) -> None:
+    threads = pytest_run(engines.parent, "LeavesAThreadRunning", "-n", "2")
     assert threads.returncode == 0, threads.stdout + threads.stderr
     assert "the session's tests left non-daemon threads running: 'scheduler-loop'" in threads.stderr
-    children = pytest_run(folder, "LeavesAChildRunning", "-n", "2")
-    pids = [int(line) for line in (folder / "children.txt").read_text().split()]
-    left = [pid for pid in pids if _alive(pid)]
-    for pid in left:
-        os.kill(pid, 9)
-    assert children.returncode == 0, children.stdout + children.stderr
-    assert left == [], f"{len(left)} of {len(pids)} children outlived the session"
-    assert f"the session left 1 process running, now killed: {pids[0]} (sleep 600)" in children.stderr

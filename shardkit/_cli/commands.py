@@ -186,43 +186,12 @@ def serve_command(args: argparse.Namespace) -> int:
     target = resolve_target(args.target)
     options = {} if args.max_engines is None else {"max_engines": args.max_engines}
     server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
-
-    def loopback_only(name: str) -> bool:
-        """``name`` is a loopback address, or a host name every address of which is one (gRPC
-        binds every address the name resolves to)."""
-        if is_loopback(name):
-            return True
-        import ipaddress
-        import socket
-
-        try:
-            found = {info[4][0] for info in socket.getaddrinfo(name.strip("[]"), None)}
-            return bool(found) and all(ipaddress.ip_address(str(a).partition("%")[0]).is_loopback for a in found)
-        except (OSError, ValueError, UnicodeError):
-            return False
-
-    if host is not None and not loopback_only(host):
+    if host is not None and not is_loopback(host):
         warning = (
             f"shardkit serve: warning: {args.listen} is reachable from other machines and the service has no "
             "authentication: anyone who can reach the port can run this engine; listen on 127.0.0.1 or a unix: socket"
         )
         print(warning, file=sys.stderr, flush=True)
-    # SIGTERM ends a server as Ctrl-C does, through the finally below, so that a unix: socket's
-    # file goes with it; then the process still ends by SIGTERM, as whoever sent it expects. A
-    # worker (--worker) is ended by the kit, which removes its socket itself.
-    import os
-    import threading
-
-    terminated: list[int] = []
-
-    def stop_serving(signum: int, _frame: object) -> None:
-        terminated.append(signum)
-        server.server.stop(0)
-
-    previous = None
-    main_thread = threading.current_thread() is threading.main_thread()
-    if not args.worker and main_thread and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        previous = signal.signal(signal.SIGTERM, stop_serving)
     try:
         if args.worker_memory is not None:
             # After the server's own threads exist, before any engine: the limit is for the engines.
@@ -231,11 +200,6 @@ def serve_command(args: argparse.Namespace) -> int:
         server.wait()
     finally:
         server.stop(0)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    if terminated:
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler it had before, SIG_DFL: the process ends
     return EXIT_OK
 
 

@@ -27,7 +27,6 @@ from shardkit._process.supervisor import (
     die_with_parent,
     send_line,
     send_verdict,
-    stop_leftover_processes,
     threads_left_running,
 )
 
@@ -41,8 +40,8 @@ _IN_PROCESS_VARIABLE = "SHARDKIT_IN_PROCESS"
 _TESTS_FAILED = int(pytest.ExitCode.TESTS_FAILED)
 #: Whether a session is the top-level one of its process.
 _TOP_LEVEL_KEY: pytest.StashKey[bool] = pytest.StashKey()
-#: Whether this session (a pytest-xdist worker's) stops what its tests left, at its end.
-_WORKER_REAPS_KEY: pytest.StashKey[bool] = pytest.StashKey()
+#: Whether this session (a pytest-xdist worker's) names the threads its tests left, at its end.
+_WORKER_NAMES_THREADS_KEY: pytest.StashKey[bool] = pytest.StashKey()
 #: In a supervised child: where its verdict goes.
 _VERDICT_FD_KEY: pytest.StashKey[int] = pytest.StashKey()
 
@@ -53,9 +52,9 @@ def begin_session(config: pytest.Config) -> None:
     config.stash[_TOP_LEVEL_KEY] = top_level
     if top_level:
         os.environ[_SESSION_PROCESS_VARIABLE] = str(os.getpid())
-    # A pytest-xdist worker is watched by its controller, which reports its end; what it
-    # leaves behind it stops and names itself, at its end.
-    config.stash[_WORKER_REAPS_KEY] = top_level and hasattr(config, "workerinput") and become_subreaper()
+    # A pytest-xdist worker is watched by its controller, which reports its end; it names the
+    # threads its tests left. (Not a subreaper: orphans would wait as zombies until its end.)
+    config.stash[_WORKER_NAMES_THREADS_KEY] = top_level and hasattr(config, "workerinput")
 
 
 def supervise_session(session: pytest.Session) -> None:
@@ -97,17 +96,16 @@ def on_test_start(config: pytest.Config, nodeid: str) -> None:
 
 def end_session(config: pytest.Config, exit_status: int) -> None:
     """At unconfigure, in a supervised child: send the verdict, pytest's exit status. In a
-    pytest-xdist worker: name the threads left running, stop and name the processes left."""
+    pytest-xdist worker: name the threads left running."""
     fd = config.stash.get(_VERDICT_FD_KEY, None)
     if fd is not None:
         send_verdict(fd, exit_status)
         del config.stash[_VERDICT_FD_KEY]
-    if config.stash.get(_WORKER_REAPS_KEY, False):
+    if config.stash.get(_WORKER_NAMES_THREADS_KEY, False):
         threads = threads_left_running()
         if threads:
             named = ", ".join(sorted(f"{name!r}" for name in set(threads)))
             print(f"shardkit: the session's tests left non-daemon threads running: {named}", file=sys.stderr, flush=True)
-        stop_leftover_processes("the session")
 
 
 def _wait_as_parent(child: ForkedChild, read_fd: int) -> NoReturn:
