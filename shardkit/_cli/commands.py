@@ -8,9 +8,11 @@ import dataclasses
 import faulthandler
 import importlib
 import json
+import os
 import resource
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +22,6 @@ from shardkit._core.targets import (
     ResolvedTarget,
     check_step_timeout,
     display_name,
-    is_loopback,
     is_remote_address,
     worker_command_target,
 )
@@ -165,7 +166,7 @@ def contract_command(args: argparse.Namespace) -> int:
 
 def serve_command(args: argparse.Namespace) -> int:
     try:
-        from shardkit._transport.server import parse_listen, serve
+        from shardkit._transport.server import binds_loopback_only, parse_listen, serve
     except ImportError as error:
         message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise UsageError(message) from None
@@ -186,12 +187,26 @@ def serve_command(args: argparse.Namespace) -> int:
     target = resolve_target(args.target)
     options = {} if args.max_engines is None else {"max_engines": args.max_engines}
     server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
-    if host is not None and not is_loopback(host):
+
+    if host is not None and not binds_loopback_only(host):
         warning = (
             f"shardkit serve: warning: {args.listen} is reachable from other machines and the service has no "
             "authentication: anyone who can reach the port can run this engine; listen on 127.0.0.1 or a unix: socket"
         )
         print(warning, file=sys.stderr, flush=True)
+    # SIGTERM ends a server as Ctrl-C does, through the finally below, so that a unix: socket's
+    # file goes with it; then the process still ends by SIGTERM, as whoever sent it expects. A
+    # worker (--worker) is ended by the kit, which removes its socket itself.
+    terminated: list[int] = []
+
+    def stop_serving(signum: int, _frame: object) -> None:
+        terminated.append(signum)
+        server.server.stop(0)
+
+    previous = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not args.worker and main_thread and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, stop_serving)
     try:
         if args.worker_memory is not None:
             # After the server's own threads exist, before any engine: the limit is for the engines.
@@ -200,6 +215,11 @@ def serve_command(args: argparse.Namespace) -> int:
         server.wait()
     finally:
         server.stop(0)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler it had before, SIG_DFL: the process ends
     return EXIT_OK
 
 

@@ -12,7 +12,8 @@ Two choices the wire forces, both written down in ``shard_engine.proto``:
   they already must be for a trace file).
 
 Decoding checks what the dataclasses check, plus the wire's own rules (an
-``UNSPECIFIED`` enum, a missing required message, a non-decimal ``*_decimal``), and
+``UNSPECIFIED`` enum, a missing required message, a non-decimal ``*_decimal`` or one of more
+than ``MAX_DECIMAL_DIGITS`` digits, a ``recipe_json`` nested too deeply to parse), and
 raises ``WireFormatError`` naming the message and field: from another process that is
 garbage, not an engine's answer.
 
@@ -58,6 +59,7 @@ __all__ = [
     "GRPC_OPTIONS",
     "INT64_MAX",
     "INT64_MIN",
+    "MAX_DECIMAL_DIGITS",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "WireFormatError",
@@ -116,6 +118,9 @@ EXIT_OUT_OF_MEMORY = 71
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _DECIMAL = re.compile(r"-?[0-9]+")
+#: The most digits a ``*_decimal`` may have: Python's default limit on converting text to an
+#: int. Any epoch or step outside int64 needs 20; the kit sends 2**63, of 19.
+MAX_DECIMAL_DIGITS = 4300
 
 T = TypeVar("T")
 StepRequest = PrefillRequest | DecodeRequest
@@ -177,10 +182,22 @@ def get_counter(message: Any, name: str) -> int:
     if which == name:
         return int(getattr(message, name))
     text = getattr(message, f"{name}_decimal")
+    digits = len(text.removeprefix("-"))
+    if digits > MAX_DECIMAL_DIGITS:
+        problem = (
+            f"{type(message).__name__}.{name}_decimal has {digits} digits; it may have at most "
+            f"{MAX_DECIMAL_DIGITS} (a value outside int64 needs 20)"
+        )
+        raise WireFormatError(problem)
     if not _DECIMAL.fullmatch(text):
         problem = f"{type(message).__name__}.{name}_decimal={text!r} is not a decimal integer"
         raise WireFormatError(problem)
-    return int(text)
+    try:
+        return int(text)
+    except ValueError as error:  # a lower limit set with sys.set_int_max_str_digits
+        owner = type(message).__name__
+        problem = f"{owner}.{name}_decimal has {digits} digits, more than this process converts: {error}"
+        raise WireFormatError(problem) from None
 
 
 def _required(message: Any, owner: str, name: str) -> Any:
@@ -231,6 +248,12 @@ def load_request_from_pb(message: pb.LoadRequest) -> LoadRequest:
         except ValueError as error:
             problem = f"LoadRequest.recipe_json is not JSON: {error}"
             raise WireFormatError(problem) from error
+        except RecursionError:
+            problem = (
+                f"LoadRequest.recipe_json ({len(message.recipe_json)} characters) nests its arrays or objects "
+                "too deep to decode; a recipe is a JSON object of settings, a few levels deep"
+            )
+            raise WireFormatError(problem) from None
     if not isinstance(recipe, Mapping):
         problem = f"LoadRequest.recipe_json must hold a JSON object, got {message.recipe_json!r}"
         raise WireFormatError(problem)

@@ -20,18 +20,34 @@ it is never called from two threads at once.
 
 An exception raised by an engine is a process death for the kit: the server answers
 the call with gRPC status ``INTERNAL``, details ``"TypeName: message"`` (with any
-notes) and the trailing metadata ``shardkit-exception-type``. ``EngineError`` from
+notes) and the trailing metadata ``shardkit-exception-type``. So is any ``BaseException``
+(``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, an engine's own): engine code runs on
+the server's threads, which no signal reaches, so whatever it raises is its own doing, and a
+call is never left unanswered. ``EngineError`` from
 ``load`` and ``capabilities`` is part of the contract, so it travels in the response.
 A worker of ``--isolate`` (``fatal_exceptions``) instead ends its process after logging
 the exception, as a native engine's process would die (see ``worker.py``).
+
+What a client cannot do to the server (``docs/remote.md``, serving limits): bytes that do not
+parse as the RPC's request message are answered ``INVALID_ARGUMENT`` naming it (the service is
+registered with raw requests, ``_Rpc``, so that gRPC's own "Exception deserializing request!"
+never answers); a delay fault may ask an engine to wait at most ``MAX_FAULT_DELAY_SECONDS``
+before its next step; and engine calls run on threads of their own, so that however long they
+take, ``Handshake``, ``CloseEngine`` and ``Health`` still have threads to answer on. A ``unix:``
+socket that a server answers on is never taken over, and gRPC removes its file when it stops.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import ipaddress
 import itertools
 import os
+import queue
+import socket
+import stat
 import threading
 import traceback
 import uuid
@@ -42,7 +58,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from shardkit._core.targets import EngineFactory, ResolvedTarget
+from shardkit._core.targets import EngineFactory, ResolvedTarget, is_loopback
 from shardkit._transport import codec
 from shardkit._transport.resolve import resolve_target
 from shardkit._version import __version__
@@ -53,6 +69,8 @@ from shardkit.contract import (
     FaultInjectable,
     PrefillRequest,
     ShardEngine,
+    StatusCode,
+    StructuredStatus,
 )
 from shardkit.errors import ShardkitError
 from shardkit.proto import shard_engine_pb2 as pb
@@ -60,6 +78,7 @@ from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 
 __all__ = [
     "DEFAULT_MAX_ENGINES",
+    "MAX_FAULT_DELAY_SECONDS",
     "EngineServer",
     "ShardEngineServicer",
     "parse_listen",
@@ -74,10 +93,25 @@ T = TypeVar("T")
 DEFAULT_MAX_ENGINES = 256
 #: Evicted engine ids remembered, to answer "evicted" rather than "unknown" (bounded too).
 _EVICTED_REMEMBERED = 4096
-#: Threads answering calls. A kit's parallel phase keeps at most 3 calls in flight on one
-#: engine (3 lanes), plus the closing of dropped engines; calls beyond the threads wait
+#: Threads running engine calls (NewEngine, Load, Capabilities, Prefill, Decode, Cancel,
+#: Release, Metrics, InjectFault). A kit's parallel phase keeps at most 3 calls in flight on one
+#: engine (3 lanes), plus the closing of dropped engines; engine calls beyond the threads wait
 #: their turn in gRPC's queue, so this bounds overlap, never correctness.
-_WORKERS = 8
+_ENGINE_THREADS = 8
+#: Threads for ``Health`` alone: however long engine calls take, a health check has a thread.
+_HEALTH_THREADS = 2
+#: Threads for ``Handshake`` and ``CloseEngine``, which run no engine code: a new client can
+#: always connect, and an engine can always be dropped.
+_CONNECTION_THREADS = 2
+#: The RPCs on each pool but the engine calls' (the rest).
+_HEALTH_RPCS = frozenset({"Health"})
+_CONNECTION_RPCS = frozenset({"Handshake", "CloseEngine"})
+#: The most a served engine may be asked to wait by delay faults before its next prefill or
+#: decode (the delays asked since its last one add up). The kit's own delay faults are 1 ms at
+#: most; a longer delay would only hold a server thread, which is what the cap prevents.
+MAX_FAULT_DELAY_SECONDS = 1.0
+#: How long ``serve`` waits for a server already on a ``unix:`` socket to say who it is.
+_WHO_IS_THERE_SECONDS = 2.0
 
 
 class _Slot:
@@ -104,6 +138,8 @@ class _Slot:
         #: An answer sent ahead that the engine failed to give (``_AnswerAhead``): (the turn
         #: that ran it, its operation, what the next call gets instead of calling the engine).
         self._failed_ahead: tuple[int, str, Callable[[], Any]] | None = None
+        #: Seconds of delay faults accepted since the engine's last prefill or decode began.
+        self.delay_asked = 0.0
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[int]:
@@ -129,6 +165,25 @@ class _Slot:
         concurrent = isinstance(capabilities, EngineCapabilities) and capabilities.concurrent_calls is True
         with self._turns:
             self.concurrent = concurrent
+
+    def ask_delay(self, seconds: float) -> bool:
+        """Count a delay fault of ``seconds`` against ``MAX_FAULT_DELAY_SECONDS``: False (and
+        nothing counted) if the delays asked since the last step would exceed it."""
+        with self._turns:
+            if self.delay_asked + seconds > MAX_FAULT_DELAY_SECONDS:
+                return False
+            self.delay_asked += seconds
+            return True
+
+    def forget_delay(self, seconds: float) -> None:
+        """A delay counted by ``ask_delay`` that the engine did not accept."""
+        with self._turns:
+            self.delay_asked = max(0.0, self.delay_asked - seconds)
+
+    def delay_waited(self) -> None:
+        """A prefill or decode began: it waits out every delay asked so far."""
+        with self._turns:
+            self.delay_asked = 0.0
 
     def only_call_running(self) -> bool:
         with self._turns:
@@ -187,18 +242,18 @@ class _AnswerAhead:
                 return
             self.message = self._refused(refusal)
             return
-        except Exception as error:
+        except BaseException as error:
             slot.keep_failed_ahead(turn, self.operation, _raising(error))
             return
         if self._declares:
             slot.declare(result)
         try:
             self.message = self._encode(result)
-        except Exception:
+        except BaseException:
             slot.keep_failed_ahead(turn, self.operation, lambda: result)
 
 
-def _raising(error: Exception) -> Callable[[], NoReturn]:
+def _raising(error: BaseException) -> Callable[[], NoReturn]:
     def replay() -> NoReturn:
         raise error
 
@@ -296,7 +351,7 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
                     self._engines.pop(closed, None)
         try:
             engine = self.target()
-        except Exception as error:
+        except BaseException as error:
             failure = error
         else:
             with self._lock:
@@ -362,7 +417,13 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
     ) -> pb.StepResult:
         """A prefill or decode, and its engine's metrics right after when the call asks for them."""
         ahead = _metrics_ahead(call)
-        result = self._run(call.engine_id, context, operation, run, ahead=ahead)
+        slot = self._slot(call.engine_id, context)
+
+        def step(engine: ShardEngine) -> Any:
+            slot.delay_waited()  # the step waits out the delays asked before it
+            return run(engine)
+
+        result = self._run_on(slot, call.engine_id, context, operation, step, ahead=ahead)
         return _with_metrics(self._encode(context, operation, lambda: codec.step_result_to_pb(result)), ahead)
 
     def Cancel(self, call: pb.CancelCall, context: Any) -> pb.StructuredStatus:
@@ -390,14 +451,27 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
 
     def InjectFault(self, call: pb.InjectFaultCall, context: Any) -> pb.StructuredStatus:
         fault = self._decode(context, "InjectFault", lambda: codec.fault_from_pb(call.fault))
+        slot = self._slot(call.engine_id, context)
 
         def inject(engine: ShardEngine) -> Any:
             if not isinstance(engine, FaultInjectable):
                 return None
-            return engine.inject_fault(fault)
+            # A negative delay is the engine's to refuse; any other counts against the cap.
+            delay = fault.value if fault.kind == "delay" and fault.value >= 0 else None
+            if delay is not None and not slot.ask_delay(delay):
+                return _delay_refused(delay, slot.delay_asked)
+            try:
+                status = engine.inject_fault(fault)
+            except BaseException:
+                if delay is not None:
+                    slot.forget_delay(delay)
+                raise
+            if delay is not None and not (isinstance(status, StructuredStatus) and status.ok):
+                slot.forget_delay(delay)
+            return status
 
         ahead = _metrics_ahead(call)
-        status = self._run(call.engine_id, context, "inject_fault", inject, ahead=ahead)
+        status = self._run_on(slot, call.engine_id, context, "inject_fault", inject, ahead=ahead)
         if status is None:
             message = f"the engines of {self.target.name} do not implement inject_fault; they support no fault natively"
             return _with_metrics(pb.StructuredStatus(code=pb.STATUS_CODE_UNIMPLEMENTED, message=message), ahead)
@@ -406,16 +480,21 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
     # --- plumbing ----------------------------------------------------------------------------------
 
     def _decode(self, context: Any, rpc: str, decode: Callable[[], T]) -> T:
+        """A request's contract values; what cannot be decoded is the client's error,
+        ``INVALID_ARGUMENT``. The codec names the field (``WireFormatError``); anything else it
+        raises on a client's bytes (``RecursionError``, say) is that client's error too."""
         try:
             return decode()
         except codec.WireFormatError as error:
-            failure = error
+            failure = str(error)
+        except (ValueError, TypeError, OverflowError, RecursionError) as error:
+            failure = _describe(error)
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode the {rpc} request: {failure}")
 
     def _encode(self, context: Any, operation: str, encode: Callable[[], T]) -> T:
         try:
             return encode()
-        except Exception as error:
+        except BaseException as error:
             failure = error
         self._report(operation, failure)
         self._die_if_fatal(failure)
@@ -434,9 +513,15 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         ahead: _AnswerAhead | None = None,
     ) -> T:
         """Run ``call`` on the engine in its turn (``_Slot.turn``); an exception (other than
-        ``passes``) aborts with INTERNAL. ``declares``: the answer is the engine's capabilities,
-        which say, before the turn ends, whether its next calls may overlap. ``ahead``: an
-        operation to answer in the same turn once ``call`` returned (``_AnswerAhead``)."""
+        ``passes``), or any other ``BaseException``, aborts with INTERNAL. ``declares``: the answer
+        is the engine's capabilities, which say, before the turn ends, whether its next calls
+        may overlap. ``ahead``: an operation to answer in the same turn once ``call`` returned
+        (``_AnswerAhead``)."""
+        slot = self._slot(engine_id, context)
+        return self._run_on(slot, engine_id, context, operation, call, passes, declares=declares, ahead=ahead)
+
+    def _slot(self, engine_id: int, context: Any) -> _Slot:
+        """The engine ``engine_id`` (now the most recently used); aborts the call if there is none."""
         with self._lock:
             slot = self._engines.get(engine_id)
             if slot is not None:
@@ -453,11 +538,28 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         if slot is None:
             details = f"no engine {engine_id} on this server (closed, or the server restarted); call NewEngine"
             _abort(context, grpc.StatusCode.NOT_FOUND, details)
+        return slot
+
+    def _run_on(
+        self,
+        slot: _Slot,
+        engine_id: int,
+        context: Any,
+        operation: str,
+        call: Callable[[ShardEngine], T],
+        passes: type[BaseException] | None = None,
+        *,
+        declares: bool = False,
+        ahead: _AnswerAhead | None = None,
+    ) -> T:
+        """``_run`` on a slot already looked up."""
         with slot.turn() as turn:
             failed_ahead = slot.take_failed_ahead(turn, operation)
             try:
                 result = call(slot.engine) if failed_ahead is None else failed_ahead()
-            except Exception as error:
+            # Engine code runs on a server thread, which no signal reaches: whatever it raises,
+            # KeyboardInterrupt and SystemExit included, is the engine's, and is answered.
+            except BaseException as error:
                 if passes is not None and isinstance(error, passes):
                     raise
                 failure = error
@@ -488,6 +590,16 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         print(f"shardkit serve: {where} raised {described}{origin}", file=self.log, flush=True)
 
 
+def _delay_refused(seconds: float, asked: float) -> StructuredStatus:
+    already = f", {asked:g} s of it asked already" if asked else ""
+    message = (
+        f"delay fault of {seconds:g} s refused: a served engine may be asked to wait at most "
+        f"{MAX_FAULT_DELAY_SECONDS:g} s in all before its next prefill or decode{already}, so that "
+        "slow calls cannot hold the server's threads; ask for less"
+    )
+    return StructuredStatus(StatusCode.INVALID_ARGUMENT, message)
+
+
 def _describe(error: BaseException) -> str:
     """``TypeName: message`` plus the exception's notes, one per line."""
     return "".join(traceback.format_exception_only(error)).strip()
@@ -495,6 +607,179 @@ def _describe(error: BaseException) -> str:
 
 def _ascii(text: str) -> str:
     return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+class _CallThreads(futures.ThreadPoolExecutor):
+    """Daemon threads running the calls submitted to them, in order: an executor gRPC accepts
+    (it asks for a ``ThreadPoolExecutor``, and only ever calls ``submit``).
+
+    Unlike ``ThreadPoolExecutor``'s threads, which the interpreter joins when it exits, these
+    never hold the process: an engine call that never returns must not keep a server that was
+    stopped (Ctrl-C, SIGTERM) from ending. Only the public methods are overridden, so the base
+    class never starts a thread of its own."""
+
+    def __init__(self, size: int, name: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self._calls: queue.SimpleQueue[tuple[futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._size = size
+        for number in range(size):
+            threading.Thread(target=self._serve_calls, name=f"{name}-{number}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> futures.Future[T]:
+        future: futures.Future[T] = futures.Future()
+        self._calls.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """End each thread once it is idle (``wait`` is ignored: the threads are daemons)."""
+        if cancel_futures:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    waiting = self._calls.get_nowait()
+                    if waiting is not None:
+                        waiting[0].cancel()
+        for _ in range(self._size):
+            self._calls.put(None)
+
+    def _serve_calls(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as error:  # the future carries it to whoever waits on it
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+class _Rpc:
+    """One RPC of the service as gRPC calls it: with the request's raw bytes, on the thread pool
+    its kind of call has (``experimental_thread_pool``, which gRPC reads from the behaviour it
+    is given). Bytes that do not parse as the request message are the client's error,
+    ``INVALID_ARGUMENT`` naming the RPC and the message, where gRPC's own deserializer would
+    answer ``INTERNAL``."""
+
+    def __init__(
+        self, servicer: ShardEngineServicer, name: str, request_type: Any, pool: futures.ThreadPoolExecutor
+    ) -> None:
+        self._method = getattr(servicer, name)
+        self._name = name
+        self._request_type = request_type
+        self.experimental_thread_pool = pool
+
+    def __call__(self, raw: bytes, context: Any) -> Any:
+        try:
+            request = self._request_type.FromString(raw)
+        except Exception as error:  # protobuf's DecodeError, or whatever its parser raises on garbage
+            failure = error
+        else:
+            return self._method(request, context)
+        details = (
+            f"cannot decode the {self._name} request: its {len(raw)} bytes are not a "
+            f"{self._request_type.DESCRIPTOR.full_name} message ({_describe(failure)})"
+        )
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+def _add_service(
+    server: Any,
+    servicer: ShardEngineServicer,
+    engine_pool: futures.ThreadPoolExecutor,
+    health_pool: futures.ThreadPoolExecutor,
+    connection_pool: futures.ThreadPoolExecutor,
+) -> None:
+    """Register every RPC of ``ShardEngineService`` (read from the proto, so none is missed) as
+    an ``_Rpc``: raw requests, each kind of call on its own pool."""
+    service = pb.DESCRIPTOR.services_by_name["ShardEngineService"]
+    handlers = {}
+    for method in service.methods:
+        if method.name in _CONNECTION_RPCS:
+            pool = connection_pool
+        elif method.name in _HEALTH_RPCS:
+            pool = health_pool
+        else:
+            pool = engine_pool
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _Rpc(servicer, method.name, request_type, pool),
+            request_deserializer=None,  # the raw bytes: _Rpc parses them
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _unix_path(bind: str) -> str:
+    """The file of a ``unix:PATH`` (or ``unix:///PATH``) address."""
+    path = bind.removeprefix("unix:")
+    return path[2:] if path.startswith("//") else path
+
+
+def _refuse_a_socket_in_use(listen: str, path: str) -> None:
+    """Raise ``ShardkitError`` if something answers on the ``unix:`` socket ``path``, or ``path``
+    is not a socket: gRPC would replace the file, silently taking the socket over from the
+    server there. A socket file nothing answers on (a server that died) is left to gRPC to
+    replace."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        message = f"cannot listen on {listen!r}: cannot check what is at {path} ({error}); choose another path"
+        raise ShardkitError(message) from None
+    if not stat.S_ISSOCK(mode):
+        message = f"cannot listen on {listen!r}: {path} exists and is not a socket; remove it or choose another path"
+        raise ShardkitError(message)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # nothing listens: a socket file left by a server that died
+        except OSError as error:
+            message = (
+                f"cannot listen on {listen!r}: cannot tell whether a server listens on {path} ({error}); "
+                "choose another path"
+            )
+            raise ShardkitError(message) from None
+    message = (
+        f"cannot listen on {listen!r}: a server is already listening there: {_who_is_there(f'unix:{path}')}; "
+        "stop it, or choose another path"
+    )
+    raise ShardkitError(message)
+
+
+def _who_is_there(bind: str) -> str:
+    """Who serves at ``bind``, in words, as its answer to ``Handshake`` says (only wording:
+    the socket is in use whatever it answers)."""
+    channel = grpc.insecure_channel(bind)
+    try:
+        stub = pb_grpc.ShardEngineServiceStub(channel)  # type: ignore[no-untyped-call]
+        request = pb.HandshakeRequest(protocol_version=codec.PROTOCOL_VERSION, client=f"shardkit {__version__}")
+        answer = stub.Handshake(request, timeout=_WHO_IS_THERE_SECONDS)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            return "a shardkit server of another protocol version"
+        return "a process that does not answer shardkit's Handshake"
+    finally:
+        channel.close()
+    pid = answer.server_id.partition("-")[0]
+    process = f" (process {pid})" if pid.isdigit() else ""
+    return f"{_ascii(answer.server) or 'a shardkit.v1 server'}{process} serving {_ascii(answer.target)!r}"
+
+
+def binds_loopback_only(host: str) -> bool:
+    """Whether a server listening on ``HOST:PORT`` is reachable from this machine only: ``host``
+    is a loopback address, or a host name every address of which is one (gRPC binds every
+    address the name resolves to)."""
+    if is_loopback(host):
+        return True
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+        return bool(found) and all(ipaddress.ip_address(str(a).partition("%")[0]).is_loopback for a in found)
+    except (OSError, ValueError, UnicodeError):
+        return False
 
 
 def parse_listen(listen: str) -> tuple[str, str | None]:
@@ -521,11 +806,17 @@ class EngineServer:
     server: Any  # grpc.Server
     servicer: ShardEngineServicer
     url: str
+    #: The thread pools of the engine calls and of ``Health`` (gRPC's own pool answers the rest).
+    pools: tuple[futures.ThreadPoolExecutor, ...] = ()
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving (waiting ``grace`` seconds for calls in flight) and drop every engine."""
+        """Stop serving (waiting ``grace`` seconds for calls in flight) and drop every engine;
+        a ``unix:`` socket's file goes with it (gRPC removes it)."""
         self.server.stop(grace).wait()
         self.servicer.close_all()
+        for pool in self.pools:
+            # Idle threads end now; one still in an engine call ends when the call does.
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self) -> None:
         """Block until the server stops."""
@@ -566,11 +857,17 @@ def serve(
         fatal_exceptions=fatal_exceptions,
         max_engines=max_engines,
     )
+    if host is None:
+        # gRPC replaces a socket file that exists: a socket in use must be an error instead.
+        _refuse_a_socket_in_use(listen, _unix_path(bind))
     # gRPC sets SO_REUSEPORT by default, which lets a second server "bind" a busy port and
     # then never see a call: a port in use must be an error instead.
     options = [*codec.grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_WORKERS), options=options)
-    pb_grpc.add_ShardEngineServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    connection_pool = _CallThreads(_CONNECTION_THREADS, "shardkit-connection")
+    engine_pool = _CallThreads(_ENGINE_THREADS, "shardkit-engine")
+    health_pool = _CallThreads(_HEALTH_THREADS, "shardkit-health")
+    server = grpc.server(connection_pool, options=options)
+    _add_service(server, servicer, engine_pool, health_pool, connection_pool)
     try:
         port = server.add_insecure_port(bind)
     except RuntimeError as error:
@@ -578,8 +875,10 @@ def serve(
     else:
         reason = "the address is in use or not available"
     if not port:
+        for pool in (connection_pool, engine_pool, health_pool):
+            pool.shutdown(wait=False)
         message = f"cannot listen on {listen!r}: {reason}"
         raise ShardkitError(message)
     server.start()
     url = bind if host is None else f"grpc://{host}:{port}"
-    return EngineServer(server, servicer, url)
+    return EngineServer(server, servicer, url, (engine_pool, health_pool, connection_pool))
