@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, check_isolation_options, for_command
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command
 from shardkit._core.targets import (
     IsolationOptions,
     ResolvedTarget,
@@ -74,6 +74,13 @@ def replay_command(args: argparse.Namespace) -> int:
             f"the trace holds a parallel phase: {result.trace.failure.property} reproduced in "
             f"{result.reproductions} of {result.runs} runs, each on a fresh engine"
         )
+    if result.undecided:
+        # "Did not reproduce" would be a pass; with a check not made, it is no verdict at all.
+        print(f"undecided: no run failed, but {len(result.not_checked)} check{'' if len(result.not_checked) == 1 else 's'} could not be made:")
+        for caveat in result.not_checked:
+            print(f"  not checked: {caveat}")
+        print("nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds")
+        return EXIT_USAGE
     if result.failure is None:
         runs = f" in any of {result.runs} runs" if result.runs > 1 else ""
         steps = len(result.trace.actions)

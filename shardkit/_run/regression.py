@@ -77,4 +77,8 @@ def test_replay_no_longer_violates_{slug}(recorded_engine: PreparedReplay) -> No
         rate = f"\\n(a parallel phase: {{result.reproductions}} of {{result.runs}} runs reproduced it)" if result.runs > 1 else ""
         # The failure as shardkit prints it, without pytest's repr of the objects around it.
         pytest.fail(result.failure.message + rate, pytrace=False)
+    if result.undecided:
+        # No run failed, but a check was not made: that is no verdict, so it is no pass.
+        not_checked = "\\n".join(f"  not checked: {{caveat}}" for caveat in result.not_checked)
+        pytest.fail(f"undecided: no run failed, but some checks could not be made:\\n{{not_checked}}", pytrace=False)
 '''

@@ -89,6 +89,15 @@ class ReplayResult:
     runs: int = 1
     #: The runs that violated the recorded property.
     reproductions: int = 0
+    #: Checks the runs without a failure could not make (the caveats a fuzz run lists as "not
+    #: checked"), for example a parallel phase whose search for an order ran out of states.
+    #: With no failure, a replay that could not check everything is undecided, not a pass.
+    not_checked: tuple[str, ...] = ()
+
+    @property
+    def undecided(self) -> bool:
+        """No run failed, but some check was not made: nothing can be said of the trace."""
+        return self.failure is None and bool(self.not_checked)
 
     @property
     def reproduced(self) -> bool:
@@ -132,15 +141,18 @@ class PreparedReplay:
         recorded = self.trace.failure.property
         shown: tuple[int, tuple[StepRecord, ...], Violation | None] = (-1, (), None)
         ran = reproductions = 0
+        not_checked: set[str] = set()
         for driver, failed in replay_runs(self.driver, self.trace.actions, runs):
             ran += 1
             violation = failed.violation if failed is not None else None
+            if violation is None:
+                not_checked |= driver.caveats
             # Shown: the first run that reproduced, else the first with another failure.
             rank = 0 if violation is None else 2 if violation.property == recorded else 1
             reproductions += rank == 2
             if rank > shown[0]:
                 shown = (rank, tuple(driver.records), violation)
-        return ReplayResult(self.trace, shown[1], shown[2], ran, reproductions)
+        return ReplayResult(self.trace, shown[1], shown[2], ran, reproductions, tuple(sorted(not_checked)))
 
     def close(self) -> None:
         if self.engine.isolation is not None and self.owns_engine:
