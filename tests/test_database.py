@@ -293,6 +293,32 @@ def test_a_redis_that_fails_mid_run_warns_once_and_the_saves_go_local(tmp_path: 
     )
 
 
+class _FullShared(InMemoryExampleDatabase):
+    """A Redis over its memory limit: redis-py's own pipeline error, which quotes the command
+    with the example's key, binary bytes."""
+
+    def save(self, key: bytes, value: bytes) -> None:
+        from redis.client import Pipeline
+        from redis.exceptions import ResponseError
+
+        error = ResponseError("command not allowed when used memory > 'maxmemory'.")
+        Pipeline.annotate_exception(None, error, 1, ("SADD", b"shardkit-example:" + key, value))  # type: ignore[arg-type]
+        raise error
+
+
+def test_a_redis_warning_never_prints_an_examples_key_bytes(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    choice = DatabaseChoice("redis", "redis://cache.example:6379/0")
+    database = _SharedWithLocalFallback(
+        _FullShared(), InMemoryExampleDatabase(), choice, tmp_path / "examples", warnings.append
+    )
+    database.save(b"\x8f\x00\xff\x1b[31mkey", b"value")
+    [warning] = warnings
+    assert warning.isascii() and warning.isprintable(), warning
+    assert "(SADD: command not allowed when used memory > 'maxmemory'.)" in warning
+    assert "key" not in warning.partition("(")[2]
+
+
 def test_a_redis_that_refuses_the_password_says_so_not_that_it_is_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

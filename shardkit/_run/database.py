@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -245,8 +246,17 @@ def _using_local(fallback: Path, read_only: bool) -> str:
     return f"saving examples to the local database {fallback}"
 
 
+#: redis-py's note on an error inside a pipeline, which quotes the command's arguments: an
+#: example's key, binary bytes that would reach the terminal as they are.
+_PIPELINE_COMMAND = re.compile(r"^Command # \d+ \((?P<command>[A-Za-z]+)\b.*?\) of pipeline caused error: ", re.DOTALL)
+
+
 def _reason(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    """The error in one printable line: a pipeline command named without its arguments, and
+    any character that is not printable ASCII escaped."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = _PIPELINE_COMMAND.sub(lambda match: f"{match['command']}: ", text, count=1)
+    return "".join(char if char.isascii() and char.isprintable() else ascii(char)[1:-1] for char in text)
 
 
 class _SharedWithLocalFallback(ExampleDatabase):
