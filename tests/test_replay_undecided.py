@@ -103,11 +103,23 @@ def test_a_generated_regression_test_fails_when_undecided(tmp_path: Path) -> Non
     source = regression_test_source(trace.name, violation, 1, {"target": "shardkit:FakeShardEngine"})
     (tmp_path / "test_regression.py").write_text(source, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "test_regression.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "test_regression.py",
+    ]
     decided = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert decided.returncode == 0, decided.stdout + decided.stderr
     # The same test, with the phase's search starved (a conftest puts the starved search in place).
-    conftest = f"import functools\nfrom shardkit._parallel import linearize, phase\nphase.linearize = {STARVED_SEARCH}\n"
+    conftest = (
+        f"import functools\nfrom shardkit._parallel import linearize, phase\nphase.linearize = {STARVED_SEARCH}\n"
+    )
     (tmp_path / "conftest.py").write_text(conftest, encoding="utf-8")
     starved = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert starved.returncode == 1, starved.stdout + starved.stderr

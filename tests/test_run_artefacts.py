@@ -292,3 +292,57 @@ def test_two_checkouts_of_one_project_share_an_identity_and_another_file_does_no
     assert outside.startswith(f"{(tmp_path / 'elsewhere.py').resolve()}:Engine"), (
         "outside the project: its absolute path"
     )
+
+
+def test_a_full_disk_at_the_end_names_the_in_progress_trace_it_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final trace cannot be written (the disk is full); the in-progress one, small and
+    written while shrinking, is still there and replays: the message says so, and how."""
+    import errno
+
+    from shardkit._run.trace_reader import read_trace
+    from tests.planted import CancelLeaksKvTokens
+
+    def disk_full(self: Any, stem: str, document: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / f"{stem}.json"))
+
+    monkeypatch.setattr(artefacts.Artefacts, "_claim", disk_full)
+    machine = machine_for(CancelLeaksKvTokens, role="full")
+    result = run_machine(machine, settings(max_examples=200, database=None), seed=3, out=tmp_path)
+    assert result.failure is not None
+    assert result.trace_path is None
+    [left] = tmp_path.glob("*-in-progress.json")
+    assert result.write_error is not None
+    assert result.write_error.startswith(f"could not write the trace under {tmp_path}")
+    assert "No space left on device" in result.write_error
+    steps = len(result.failure.records)
+    assert (
+        f"; the in-progress trace {left} holds the failure in {steps} steps: shardkit replay {left}"
+        in result.write_error
+    )
+    assert len(read_trace(left).actions) == steps
+
+
+def test_a_full_disk_while_shrinking_is_forgotten_once_the_final_trace_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_offer = artefacts.Artefacts.offer
+    calls: list[int] = []
+
+    def offer_on_a_full_disk(self: Any, failure: Any) -> None:
+        calls.append(len(failure.records))
+        if len(calls) == 2:  # one in-progress write fails, later ones succeed
+            self.write_error = f"could not write {self.in_progress()}: No space left on device"
+            return
+        real_offer(self, failure)
+
+    monkeypatch.setattr(artefacts.Artefacts, "offer", offer_on_a_full_disk)
+    from tests.planted import CancelLeaksKvTokens
+
+    result = run_machine(
+        machine_for(CancelLeaksKvTokens, role="full"), settings(max_examples=200, database=None), seed=3, out=tmp_path
+    )
+    assert len(calls) >= 2
+    assert result.trace_path is not None
+    assert result.write_error is None

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,23 @@ class Artefacts:
             test_path = self._write_regression_test(trace_path, failure, document)
         except OSError as error:
             where = error.filename or self.out
-            self.write_error = f"could not write the trace under {where}: {error.strerror or error}"
+            unwritten = f"could not write the trace under {where}: {error.strerror or error}"
+            self.write_error = unwritten + self._in_progress_kept(len(failure.records))
             return None
         self.in_progress().unlink(missing_ok=True)
+        # An in-progress trace that could not be written while shrinking is made good by this one.
+        self.write_error = None
         return trace_path, test_path
+
+    def _in_progress_kept(self, steps: int) -> str:
+        """What a final trace that could not be written leaves: the in-progress trace on disk,
+        if any, named with how to replay it (a full disk lets the small in-progress file stay)."""
+        path = self.in_progress()
+        if self.shortest is None or not path.is_file():
+            return "; no in-progress trace was kept either"
+        shorter = "" if self.shortest == steps else f", the shortest kept before the end (the one reported has {steps})"
+        replay = shlex.join(["shardkit", "replay", str(path)])
+        return f"; the in-progress trace {path} holds the failure in {self.shortest} step{'' if self.shortest == 1 else 's'}{shorter}: {replay}"
 
     def keep_shortest(self, failure: FailureReport) -> Path | None:
         """Keep the shortest failure seen so far as a finished trace and regression test, for a
@@ -259,5 +273,7 @@ def run_settings_for(machine: type[ShardMachine], base: settings) -> settings:
     """``base`` made independent of the clock, its database keyed to this machine."""
     run_settings = time_independent(base)
     if run_settings.database is not None and not isinstance(run_settings.database, _EngineKeyedDatabase):
-        run_settings = settings(run_settings, database=_EngineKeyedDatabase(run_settings.database, machine_identity(machine)))
+        run_settings = settings(
+            run_settings, database=_EngineKeyedDatabase(run_settings.database, machine_identity(machine))
+        )
     return run_settings
