@@ -314,7 +314,8 @@ def test_a_redis_warning_never_prints_an_examples_key_bytes(tmp_path: Path) -> N
     )
     database.save(b"\x8f\x00\xff\x1b[31mkey", b"value")
     [warning] = warnings
-    assert warning.isascii() and warning.isprintable(), warning
+    assert warning.isascii(), warning
+    assert warning.isprintable(), warning
     assert "(SADD: command not allowed when used memory > 'maxmemory'.)" in warning
     assert "key" not in warning.partition("(")[2]
 
