@@ -122,7 +122,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Tell a supervising parent which test runs: the one a process's end is blamed on."""
-    session_supervision.on_test_start(item.config, item.nodeid)
+    session_supervision.on_test_start(item)
 
 
 @pytest.hookimpl(trylast=True)

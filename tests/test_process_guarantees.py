@@ -72,6 +72,17 @@ ENGINES = """
             return super().load(request)
 
 
+    class LeavesAnOrphanRunning(FakeShardEngine):
+        def load(self, request):
+            if not _started:
+                # sh starts sleep in the background and ends: sleep is no child of this process.
+                command = ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"]
+                _started.append(subprocess.run(command, capture_output=True, text=True, check=True))
+                with open(os.environ["CHILDREN_FILE"], "a") as pids:
+                    pids.write(_started[0].stdout)
+            return super().load(request)
+
+
     class LeavesAChildRunning(FakeShardEngine):
         def load(self, request):
             if not _started:
@@ -225,16 +236,24 @@ def test_a_pytest_session_ends_after_its_verdict_whatever_threads_the_engine_lef
     assert "'scheduler-loop'" in run.stderr
 
 
-def test_no_process_a_suite_s_engine_started_outlives_the_session(engines: Path) -> None:
+LEFT_BEHIND = ["LeavesAChildRunning", "LeavesAnOrphanRunning"]
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["pytest", "pytest-n-2"])
+@pytest.mark.parametrize("engine", LEFT_BEHIND)
+def test_no_process_a_suite_s_engine_started_outlives_the_session(engines: Path, engine: str, xdist: list[str]) -> None:
+    """In a supervised session, the supervisor is a subreaper; a pytest-xdist worker is not,
+    and finds the processes its tests started by the mark in their environment."""
     folder = engines.parent
-    run = pytest_run(folder, "LeavesAChildRunning")
-    children = [int(line) for line in (folder / "children.txt").read_text().split()]
-    left = [pid for pid in children if _alive(pid)]
+    run = pytest_run(folder, engine, *xdist)
+    started = [int(line) for line in (folder / "children.txt").read_text().split()]
+    left = [pid for pid in started if _alive(pid)]
     for pid in left:
         os.kill(pid, 9)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert left == [], f"{len(left)} of {len(children)} children outlived the session"
-    assert f"the session left 1 process running, now killed: {children[0]} (sleep 600)" in run.stderr
+    assert len(started) == 1
+    assert left == [], f"{len(left)} of {len(started)} processes outlived the session"
+    assert f"the session left 1 process running, now killed: {started[0]} (sleep 600)" in run.stderr
 
 
 def test_a_correct_suite_passes_and_says_nothing_more(engines: Path) -> None:

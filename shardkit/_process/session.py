@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import sys
+import uuid
 from typing import NoReturn
 
 import pytest
@@ -27,6 +28,7 @@ from shardkit._process.supervisor import (
     die_with_parent,
     send_line,
     send_verdict,
+    stop_leftover_processes,
     threads_left_running,
 )
 
@@ -42,6 +44,12 @@ _TESTS_FAILED = int(pytest.ExitCode.TESTS_FAILED)
 _TOP_LEVEL_KEY: pytest.StashKey[bool] = pytest.StashKey()
 #: Whether this session (a pytest-xdist worker's) names the threads its tests left, at its end.
 _WORKER_NAMES_THREADS_KEY: pytest.StashKey[bool] = pytest.StashKey()
+#: In a pytest-xdist worker: the mark its tests' processes carry in their environment.
+_WORKER_MARK_KEY: pytest.StashKey[str] = pytest.StashKey()
+#: In a pytest-xdist worker: whether it ran an item of a shardkit suite.
+_WORKER_RAN_A_SUITE_KEY: pytest.StashKey[bool] = pytest.StashKey()
+#: The environment entry that marks the processes a pytest-xdist worker's tests start.
+_WORKER_MARK_VARIABLE = "SHARDKIT_PYTEST_WORKER_MARK"
 #: In a supervised child: where its verdict goes.
 _VERDICT_FD_KEY: pytest.StashKey[int] = pytest.StashKey()
 
@@ -53,15 +61,27 @@ def begin_session(config: pytest.Config) -> None:
     if top_level:
         os.environ[_SESSION_PROCESS_VARIABLE] = str(os.getpid())
     # A pytest-xdist worker is watched by its controller, which reports its end; it names the
-    # threads its tests left. (Not a subreaper: orphans would wait as zombies until its end.)
-    config.stash[_WORKER_NAMES_THREADS_KEY] = top_level and hasattr(config, "workerinput")
+    # threads its tests left, and stops the processes they left. It is no subreaper (orphans
+    # would wait as zombies until its end, where a test may wait for one to go): the processes
+    # its tests start carry a mark in their environment instead, which orphans keep.
+    worker = top_level and hasattr(config, "workerinput")
+    config.stash[_WORKER_NAMES_THREADS_KEY] = worker
+    if worker:
+        mark = f"{os.getpid()}-{uuid.uuid4().hex}"
+        os.environ[_WORKER_MARK_VARIABLE] = mark
+        config.stash[_WORKER_MARK_KEY] = f"{_WORKER_MARK_VARIABLE}={mark}"
+
+
+def _is_suite_item(item: pytest.Item) -> bool:
+    """An item of a suite ``machine_for`` built (its class is a shardkit machine's TestCase)."""
+    return getattr(getattr(item, "cls", None), "shardkit_machine", None) is not None
 
 
 def supervise_session(session: pytest.Session) -> None:
     """At the start of the test loop: fork if this session needs a supervisor. Returns in
     the child (which runs the tests) and where none is needed; the parent never returns."""
     config = session.config
-    suites = any(getattr(getattr(item, "cls", None), "shardkit_machine", None) is not None for item in session.items)
+    suites = any(_is_suite_item(item) for item in session.items)
     if (
         not suites
         or not config.stash.get(_TOP_LEVEL_KEY, False)
@@ -88,15 +108,20 @@ def supervise_session(session: pytest.Session) -> None:
     _wait_as_parent(ForkedChild(pid), read_fd)
 
 
-def on_test_start(config: pytest.Config, nodeid: str) -> None:
+def on_test_start(item: pytest.Item) -> None:
+    config = item.config
     fd = config.stash.get(_VERDICT_FD_KEY, None)
     if fd is not None:
-        send_line(fd, {"running": nodeid})
+        send_line(fd, {"running": item.nodeid})
+    if _WORKER_MARK_KEY in config.stash and _is_suite_item(item):
+        config.stash[_WORKER_RAN_A_SUITE_KEY] = True
 
 
 def end_session(config: pytest.Config, exit_status: int) -> None:
     """At unconfigure, in a supervised child: send the verdict, pytest's exit status. In a
-    pytest-xdist worker: name the threads left running."""
+    pytest-xdist worker: name the threads left running; and if it ran a shardkit suite, stop
+    and name the processes left: its children, and those that carry its mark (which other
+    suites' workers leave alone: their processes are their own business)."""
     fd = config.stash.get(_VERDICT_FD_KEY, None)
     if fd is not None:
         send_verdict(fd, exit_status)
@@ -105,7 +130,11 @@ def end_session(config: pytest.Config, exit_status: int) -> None:
         threads = threads_left_running()
         if threads:
             named = ", ".join(sorted(f"{name!r}" for name in set(threads)))
-            print(f"shardkit: the session's tests left non-daemon threads running: {named}", file=sys.stderr, flush=True)
+            print(
+                f"shardkit: the session's tests left non-daemon threads running: {named}", file=sys.stderr, flush=True
+            )
+    if config.stash.get(_WORKER_RAN_A_SUITE_KEY, False):
+        stop_leftover_processes("the session", marked=config.stash[_WORKER_MARK_KEY])
 
 
 def _wait_as_parent(child: ForkedChild, read_fd: int) -> NoReturn:

@@ -208,21 +208,28 @@ class Supervisor:
         stop_leftover_processes(self.left_by)
 
 
-def stop_leftover_processes(left_by: str) -> None:
-    """Kill, and name, every child of this process (a subreaper: orphans of its descendants
-    are its children), generation after generation."""
+def stop_leftover_processes(left_by: str, *, marked: str | None = None) -> None:
+    """Kill, and name, every child of this process, generation after generation (in a
+    subreaper, orphans of its descendants are its children). With ``marked`` (an environment
+    entry ``NAME=VALUE``), also every process started with that entry in its environment,
+    wherever it now is: an orphan of a process that is no subreaper goes to another parent,
+    but keeps the environment it was started with."""
     left: list[str] = []
-    for _ in range(100):  # each round kills a generation: its children come to this process
-        children = _children_of(os.getpid())
-        if not children:
+    killed: set[int] = set()
+    for _ in range(100):  # each round kills a generation: its children come to their subreaper
+        # A process killed but not this one's to reap may still show as running for a moment.
+        found = [process for process in _processes_left(os.getpid(), marked) if process[0] not in killed or process[3]]
+        if not found:
             break
-        for pid, running, name in children:
-            if running:
+        for pid, running, name, ours in found:
+            if running and pid not in killed:
                 left.append(f"{pid} ({name})")
+                killed.add(pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+            if ours:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
     if left:
         more = len(left) - _NAMED_PROCESSES
         shown = ", ".join(left[:_NAMED_PROCESSES]) + (f" and {more} more" if more > 0 else "")
@@ -234,24 +241,30 @@ def stop_leftover_processes(left_by: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _children_of(parent: int) -> list[tuple[int, bool, str]]:
-    """The processes whose parent is ``parent``: pid, whether it still runs, its command."""
-    children = []
+def _processes_left(parent: int, marked: str | None) -> list[tuple[int, bool, str, bool]]:
+    """The children of ``parent``, and the running processes whose environment holds
+    ``marked``: pid, whether it still runs, its command, whether it is ``parent``'s child (to
+    reap). A zombie that is not ``parent``'s is its own parent's to reap: not listed."""
+    wanted = None if marked is None else b"\0" + marked.encode() + b"\0"
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == parent:
             continue
         try:
             stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ours, running = int(fields[1]) == parent, fields[0] != "Z"
+            if not ours and not (
+                running and wanted is not None and wanted in b"\0" + (entry / "environ").read_bytes() + b"\0"
+            ):
+                continue
             command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) != parent:
-            continue
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not readable: not ours
         name = command.replace(b"\0", b" ").decode("utf-8", "replace").strip()
         name = name or stat[stat.index("(") + 1 : stat.rindex(")")]
-        children.append((int(entry.name), fields[0] != "Z", name[:80]))
-    return children
+        found.append((int(entry.name), running, name[:80], ours))
+    return found
 
 
 def describe_status(status: int) -> str:
