@@ -186,6 +186,14 @@ def test_a_correct_engine_runs_as_before_and_says_nothing_more(tmp_path: Path) -
     assert "no failure found" in run.stdout
 
 
+@pytest.mark.parametrize("command", ["fuzz", "campaign", "replay", "contract", "bench"])
+def test_a_supervised_commands_help_exits_0(tmp_path: Path, command: str) -> None:
+    run = shardkit(tmp_path, command, "--help")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith(f"usage: shardkit {command}")
+    assert run.stderr == ""
+
+
 # --- the same under pytest ---------------------------------------------------------------------------
 
 SUITE = """

@@ -66,7 +66,12 @@ def _run_as_child(arguments: list[str], supervisor: str) -> int:
         return EXIT_USAGE
     from shardkit._cli.main import main
 
-    code = main(arguments)
+    try:
+        code = main(arguments)
+    except SystemExit as exiting:
+        # Only the parser's --help gets here: main turns a SystemExit raised anywhere in a
+        # command, an engine's included, into exit 2 (``main``'s last handler).
+        code = exiting.code if isinstance(exiting.code, int) else 0 if exiting.code is None else EXIT_USAGE
     send_verdict(verdict_fd, code)
     return code
 
