@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -361,24 +360,22 @@ def _dying_trace(folder: Path, engine: type[DyingEngine], **extra: Any) -> Path:
     return path
 
 
-def _limit_memory() -> None:
-    """Before the fix the allocating engine ran in the replaying process: keep it from filling the machine."""
-    limit = 2**30
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+#: Before the fix the allocating engine ran in the replaying process: keep it from filling the machine.
+_REPLAY_MEMORY_BYTES = 2**30
+#: Sets the limit, then becomes ``python -m shardkit ARGV``. Not ``preexec_fn``: Python code run
+#: between fork and exec in this process, which may hold gRPC's threads, can abort the child.
+_LIMITED = (
+    "import os, resource, sys\n"
+    "limit = int(sys.argv[1])\n"
+    "resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'shardkit', *sys.argv[2:]])\n"
+)
 
 
 def _replay_in_a_subprocess(trace: Path, *options: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "shardkit", "replay", str(trace), *options]
+    command = [sys.executable, "-c", _LIMITED, str(_REPLAY_MEMORY_BYTES), "replay", str(trace), *options]
     try:
-        return subprocess.run(
-            command,
-            cwd=trace.parent,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            preexec_fn=_limit_memory,
-        )
+        return subprocess.run(command, cwd=trace.parent, capture_output=True, text=True, timeout=120, check=False)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"the replay of {trace.name} hung in the replaying process: {expired}")
 

@@ -75,13 +75,17 @@ def replay_command(args: argparse.Namespace) -> int:
             f"{result.reproductions} of {result.runs} runs, each on a fresh engine"
         )
     if result.undecided:
-        # "Did not reproduce" would be a pass; with a check not made, it is no verdict at all.
-        print(f"undecided: no run failed, but {len(result.not_checked)} check{'' if len(result.not_checked) == 1 else 's'} could not be made:")
-        for caveat in result.not_checked:
+        # "Did not reproduce" would be a pass; with a check that reached no verdict, it is none.
+        checks = result.undecided_checks
+        print(f"undecided: no run failed, but {len(checks)} check{'' if len(checks) == 1 else 's'} reached no verdict:")
+        for caveat in checks:
             print(f"  not checked: {caveat}")
         print("nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds")
         return EXIT_USAGE
     if result.failure is None:
+        for caveat in result.not_checked:
+            # What the engine's capabilities rule out, as a fuzz run lists it: the verdict stands.
+            print(f"not checked: {caveat}")
         runs = f" in any of {result.runs} runs" if result.runs > 1 else ""
         steps = len(result.trace.actions)
         # A phase is one step of the trace and several calls: count both, as the failure did.

@@ -114,6 +114,10 @@ class Driver(FaultSteps):
         #: Checks this example could not make (the run's summary lists them): a user must
         #: not read a clean run as covering what was never checked.
         self.caveats: set[str] = set()
+        #: Of ``caveats``, the checks that ran and reached no verdict (a search that ran out of
+        #: its budget), as opposed to checks the engine's capabilities rule out: a replay with
+        #: one of these and no failure is undecided, never a pass.
+        self.undecided: set[str] = set()
         self._step: tuple[int, Action] = (0, Action("load", {}))
         self._start_engine()
 

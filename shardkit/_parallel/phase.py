@@ -81,10 +81,12 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
         if counted is not None:
             searched = f"{counted}; the search for an order ran out of its {DEFAULT_MAX_STATES:,} states first"
             _fail(driver, LINEARIZABILITY, searched, ran, actions)
-        driver.caveats.add(
+        no_verdict = (
             f"a parallel phase: the search for an order that explains it visited its {DEFAULT_MAX_STATES:,} "
             "states without a verdict"
         )
+        driver.caveats.add(no_verdict)
+        driver.undecided.add(no_verdict)
         return []
     if found.order is None:
         _fail(driver, LINEARIZABILITY, _no_order(found, len(lanes)), ran, actions)

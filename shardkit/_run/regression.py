@@ -79,6 +79,6 @@ def test_replay_no_longer_violates_{slug}(recorded_engine: PreparedReplay) -> No
         pytest.fail(result.failure.message + rate, pytrace=False)
     if result.undecided:
         # No run failed, but a check was not made: that is no verdict, so it is no pass.
-        not_checked = "\\n".join(f"  not checked: {{caveat}}" for caveat in result.not_checked)
-        pytest.fail(f"undecided: no run failed, but some checks could not be made:\\n{{not_checked}}", pytrace=False)
+        not_checked = "\\n".join(f"  not checked: {{caveat}}" for caveat in result.undecided_checks)
+        pytest.fail(f"undecided: no run failed, but some checks reached no verdict:\\n{{not_checked}}", pytrace=False)
 '''

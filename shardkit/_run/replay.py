@@ -90,14 +90,17 @@ class ReplayResult:
     #: The runs that violated the recorded property.
     reproductions: int = 0
     #: Checks the runs without a failure could not make (the caveats a fuzz run lists as "not
-    #: checked"), for example a parallel phase whose search for an order ran out of states.
-    #: With no failure, a replay that could not check everything is undecided, not a pass.
+    #: checked"), for example a composition check of an engine that cannot load a split.
     not_checked: tuple[str, ...] = ()
+    #: Of ``not_checked``, the checks that ran and reached no verdict, for example a parallel
+    #: phase whose search for an order ran out of states.
+    undecided_checks: tuple[str, ...] = ()
 
     @property
     def undecided(self) -> bool:
-        """No run failed, but some check was not made: nothing can be said of the trace."""
-        return self.failure is None and bool(self.not_checked)
+        """No run failed, but a check that ran reached no verdict: nothing can be said of the
+        trace, so it is no pass."""
+        return self.failure is None and bool(self.undecided_checks)
 
     @property
     def reproduced(self) -> bool:
@@ -142,17 +145,19 @@ class PreparedReplay:
         shown: tuple[int, tuple[StepRecord, ...], Violation | None] = (-1, (), None)
         ran = reproductions = 0
         not_checked: set[str] = set()
+        undecided: set[str] = set()
         for driver, failed in replay_runs(self.driver, self.trace.actions, runs):
             ran += 1
             violation = failed.violation if failed is not None else None
             if violation is None:
                 not_checked |= driver.caveats
+                undecided |= driver.undecided
             # Shown: the first run that reproduced, else the first with another failure.
             rank = 0 if violation is None else 2 if violation.property == recorded else 1
             reproductions += rank == 2
             if rank > shown[0]:
                 shown = (rank, tuple(driver.records), violation)
-        return ReplayResult(self.trace, shown[1], shown[2], ran, reproductions, tuple(sorted(not_checked)))
+        return ReplayResult(self.trace, shown[1], shown[2], ran, reproductions, tuple(sorted(not_checked)), tuple(sorted(undecided)))
 
     def close(self) -> None:
         if self.engine.isolation is not None and self.owns_engine:
