@@ -198,7 +198,6 @@ def serve_command(args: argparse.Namespace) -> int:
     target = resolve_target(args.target)
     options = {} if args.max_engines is None else {"max_engines": args.max_engines}
     server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
-
     if host is not None and not binds_loopback_only(host):
         warning = (
             f"shardkit serve: warning: {args.listen} is reachable from other machines and the service has no "

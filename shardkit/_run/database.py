@@ -248,7 +248,7 @@ def _using_local(fallback: Path, read_only: bool) -> str:
 
 #: redis-py's note on an error inside a pipeline, which quotes the command's arguments: an
 #: example's key, binary bytes that would reach the terminal as they are.
-_PIPELINE_COMMAND = re.compile(r"^Command # \d+ \((?P<command>[A-Za-z]+)\b.*?\) of pipeline caused error: ", re.DOTALL)
+_PIPELINE_COMMAND = re.compile(r"^Command # \d+ \((?P<command>[A-Za-z]+)\b.*\) of pipeline caused error: ", re.DOTALL)
 
 
 def _reason(error: BaseException) -> str:

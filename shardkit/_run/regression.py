@@ -78,7 +78,7 @@ def test_replay_no_longer_violates_{slug}(recorded_engine: PreparedReplay) -> No
         # The failure as shardkit prints it, without pytest's repr of the objects around it.
         pytest.fail(result.failure.message + rate, pytrace=False)
     if result.undecided:
-        # No run failed, but a check was not made: that is no verdict, so it is no pass.
+        # No run failed, but a check reached no verdict: that is no verdict, so it is no pass.
         not_checked = "\\n".join(f"  not checked: {{caveat}}" for caveat in result.undecided_checks)
         pytest.fail(f"undecided: no run failed, but some checks reached no verdict:\\n{{not_checked}}", pytrace=False)
 '''
