@@ -148,6 +148,33 @@ def test_an_engine_whose_load_or_capabilities_raises_exits_2_naming_the_call_and
     assert "only EngineError" in line
 
 
+def test_an_engine_whose_load_raises_only_sometimes_exits_2_naming_it_never_the_kit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A load that fails once, mid-run (a thread or memory limit reached), then works again:
+    Hypothesis reports the example as flaky, which read as an internal error of the kit."""
+    source = """
+        from shardkit import FakeShardEngine
+
+        _built = []
+
+
+        class LoadFailsOnce(FakeShardEngine):
+            def load(self, request):
+                _built.append(1)
+                if len(_built) == 40:
+                    raise RuntimeError("can't start new thread")
+                return super().load(request)
+    """
+    path = write_engine(tmp_path, source, "flaky_load.py")
+    # No twins and no crash faults: every load is an example's first (a twin's, or a restart's, is a finding).
+    argv = ["--examples", "50", "--seed", "1", "--faults", "none", "--no-twins"]
+    line = one_error_line(*run(capsys, "fuzz", f"{path}:LoadFailsOnce", *argv))
+    assert "internal error" not in line
+    assert "raised RuntimeError: can't start new thread" in line
+    assert "only sometimes" in line
+
+
 def test_an_isolated_worker_that_exits_in_load_is_named_with_its_exit_code(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

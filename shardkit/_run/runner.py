@@ -39,6 +39,7 @@ from shardkit._run.database import open_database
 from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
 from shardkit._run.result import FuzzResult
 from shardkit._run.trace import DEFAULT_OUT
+from shardkit.errors import InvalidTarget
 
 __all__ = [
     "DEFAULT_OUT",
@@ -151,7 +152,7 @@ def run_machine(
         interrupted = True
     except BaseException as error:
         if stats.failure is None:
-            raise
+            raise _engine_error_within(error) from error
         captured.write("".join(getattr(error, "__notes__", [])))
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
@@ -194,6 +195,32 @@ def run_machine(
             result.trace_path, result.regression_path = written
     result.write_error = artefacts.write_error
     return result
+
+
+def _engine_error_within(error: BaseException) -> BaseException:
+    """What to report for an error that ended the run before any failure: ``error`` itself,
+    unless it is Hypothesis's ``Flaky`` around an engine that could not be built
+    (``InvalidTarget``: its ``load`` or ``capabilities`` raised) on one run of an example and
+    not on the replay. That is the engine's doing, never the kit's: the engine's error, saying
+    it happened only sometimes (threads or memory running out, say)."""
+    if not isinstance(error, Flaky):
+        return error
+    seen: set[int] = set()
+    waiting: list[BaseException] = [error]
+    while waiting:
+        inner = waiting.pop()
+        if id(inner) in seen:
+            continue
+        seen.add(id(inner))
+        if isinstance(inner, InvalidTarget):
+            message = (
+                f"{inner}; it happened on one run of an example and not when the same example ran again: "
+                "the engine fails to be built only sometimes (threads, memory or another resource running out?)"
+            )
+            return InvalidTarget(message)
+        waiting.extend(getattr(inner, "exceptions", ()))
+        waiting.extend(chained for chained in (inner.__cause__, inner.__context__) if chained is not None)
+    return error
 
 
 def _deepen(
