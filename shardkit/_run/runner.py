@@ -152,7 +152,10 @@ def run_machine(
         interrupted = True
     except BaseException as error:
         if stats.failure is None:
-            raise _engine_error_within(error) from error
+            engine_error = _engine_error_within(error)
+            if engine_error is error:
+                raise
+            raise engine_error from error
         captured.write("".join(getattr(error, "__notes__", [])))
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
