@@ -17,6 +17,7 @@ from shardkit._machine.hypothesis_adapter import (
     ShrinkBudgetSpent,
     deterministic_hypothesis,
     integer_range,
+    mark_as_state_machine_test,
     stop_hypothesis,
 )
 
@@ -104,3 +105,28 @@ def test_a_spent_shrink_budget_ends_the_run_while_hypothesis_shrinks() -> None:
         run_state_machine_as_test(
             FailsLongThenStops, settings=settings(max_examples=50, database=None, stateful_step_count=20)
         )
+
+
+def test_a_suite_test_is_marked_as_hypothesis_marks_its_own_state_machine_tests() -> None:
+    """Every attribute Hypothesis puts on its own machines' ``runTest`` (what its pytest plugin
+    and HypoFuzz read), the kit's mark puts on a suite's, with the same values."""
+
+    class Own(RuleBasedStateMachine):
+        @rule()
+        def step(self) -> None:
+            pass
+
+    def run_test() -> None:
+        pass
+
+    mark_as_state_machine_test(run_test, Own)
+    own_marks = vars(Own.TestCase.runTest)
+    assert own_marks, "Hypothesis no longer marks its state machine tests: the mark has nothing to follow"
+    assert {name: getattr(run_test, name, None) for name in own_marks} == own_marks
+
+    def not_fuzzed() -> None:
+        pass
+
+    mark_as_state_machine_test(not_fuzzed, None)
+    assert getattr(not_fuzzed, "is_hypothesis_test", False) is True
+    assert not hasattr(not_fuzzed, "_hypothesis_state_machine_class")

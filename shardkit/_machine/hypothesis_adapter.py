@@ -20,11 +20,18 @@ on how busy the machine is.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-__all__ = ["ShrinkBudgetSpent", "deterministic_hypothesis", "integer_range", "local_constants_hook_available", "stop_hypothesis"]
+__all__ = [
+    "ShrinkBudgetSpent",
+    "deterministic_hypothesis",
+    "integer_range",
+    "local_constants_hook_available",
+    "mark_as_state_machine_test",
+    "stop_hypothesis",
+]
 
 #: Guards installing and removing the patch when runs overlap in threads.
 _LOCK = threading.Lock()
@@ -134,3 +141,14 @@ def integer_range(strategy: object) -> range | None:
     if isinstance(low, int) and isinstance(high, int):
         return range(low, high + 1)
     return None
+
+
+def mark_as_state_machine_test(run_test: Callable[..., object], fuzzed_machine: type | None) -> None:
+    """Mark a suite's ``runTest`` as Hypothesis marks its own state machines' (its
+    ``TestCase.runTest``): Hypothesis's pytest plugin then counts it as a Hypothesis test
+    (``hypothesis.is_hypothesis_test``), and HypoFuzz, given ``fuzzed_machine``, fuzzes that
+    machine example after example rather than calling ``runTest``. Both read attributes
+    Hypothesis sets and documents no way to set."""
+    setattr(run_test, "is_hypothesis_test", True)  # noqa: B010 - the attribute Hypothesis reads
+    if fuzzed_machine is not None:
+        setattr(run_test, "_hypothesis_state_machine_class", fuzzed_machine)  # noqa: B010

@@ -44,7 +44,7 @@ from shardkit._core.steps import (
 )
 from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # importing it registers the shardkit-* profiles
-from shardkit._machine.hypothesis_adapter import stop_hypothesis
+from shardkit._machine.hypothesis_adapter import mark_as_state_machine_test, stop_hypothesis
 from shardkit._parallel.runs import PHASE_RUNS, replay_steps
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
 from shardkit.errors import UsageError
@@ -318,11 +318,9 @@ def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
                 raise UsageError(message)
             runner(machine, self)
 
-        runTest.is_hypothesis_test = True  # type: ignore[attr-defined]
-        if machine.suite_runner is not None:
-            # What HypoFuzz collects: it runs this machine itself, example after example, rather
-            # than runTest (which runs the kit's whole run on each call).
-            runTest._hypothesis_state_machine_class = fuzzing_machine(machine)  # type: ignore[attr-defined]
+        # HypoFuzz runs the fuzzing machine itself, example after example, rather than
+        # runTest (which runs the kit's whole run on each call).
+        mark_as_state_machine_test(runTest, fuzzing_machine(machine) if machine.suite_runner is not None else None)
 
     ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
     ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
