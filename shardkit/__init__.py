@@ -20,15 +20,16 @@ write engines; ``ReferenceModel`` (with ``Prediction`` and ``SessionState``), ``
 
 Everything under a module whose name starts with ``_`` is private. Public names are
 imported on first use, so that a process needing a few of them (a worker process of
-``--isolate``, an engine importing the contract) does not pay for all of them.
+``--isolate``, an engine importing the contract) does not pay for all of them; each reports
+``shardkit`` as its ``__module__``, the path to import it from.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import MappingProxyType as _MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from shardkit._public import PUBLIC_HOMES as _PUBLIC_HOMES
 from shardkit._version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -80,108 +81,10 @@ if TYPE_CHECKING:
     from shardkit.errors import ShardkitError as ShardkitError
     from shardkit.errors import TraceFormatError as TraceFormatError
 
-__all__ = [
-    "Action",
-    "BoundaryBundle",
-    "CacheResult",
-    "ContractViolation",
-    "CustomOp",
-    "DecodeRequest",
-    "DelegatingEngine",
-    "EngineCapabilities",
-    "EngineError",
-    "EngineSpec",
-    "EngineTensor",
-    "FakeShardEngine",
-    "FakeShardEngineConfig",
-    "Fault",
-    "FaultInjectable",
-    "FuzzOptions",
-    "FuzzResult",
-    "HealthResult",
-    "InvalidTarget",
-    "LoadRequest",
-    "LoadResult",
-    "MetricsResult",
-    "NumpyShardEngine",
-    "PipelineEngine",
-    "Prediction",
-    "PrefillRequest",
-    "PreparedReplay",
-    "Produced",
-    "ReferenceModel",
-    "SessionEngine",
-    "SessionState",
-    "ShardEngine",
-    "ShardMachine",
-    "ShardkitError",
-    "StatusCode",
-    "StepInput",
-    "StepResult",
-    "StructuredStatus",
-    "TokenOutput",
-    "TraceFormatError",
-    "assert_shard_engine_contract",
-    "fuzz",
-    "machine_for",
-    "prepare_replay",
-    "replay",
-    "step_rule",
-    "yield_point",
-]
-
-#: Where each public name lives.
-_HOMES = _MappingProxyType(
-    {
-        "Action": "._core.steps",
-        "BoundaryBundle": ".contract",
-        "CacheResult": ".contract",
-        "ContractViolation": ".errors",
-        "CustomOp": "._core.driver",
-        "DecodeRequest": ".contract",
-        "DelegatingEngine": ".engines.delegating",
-        "EngineCapabilities": ".contract",
-        "EngineError": ".contract",
-        "EngineSpec": ".engines.base",
-        "EngineTensor": ".contract",
-        "FakeShardEngine": ".engines",
-        "FakeShardEngineConfig": ".engines",
-        "Fault": ".contract",
-        "FaultInjectable": ".contract",
-        "FuzzResult": "._run.result",
-        "prepare_replay": "._run.replay",
-        "PreparedReplay": "._run.replay",
-        "FuzzOptions": "._run.options",
-        "HealthResult": ".contract",
-        "InvalidTarget": ".errors",
-        "LoadRequest": ".contract",
-        "LoadResult": ".contract",
-        "MetricsResult": ".contract",
-        "NumpyShardEngine": ".engines",
-        "PipelineEngine": ".engines.pipeline",
-        "Prediction": "._core.model",
-        "PrefillRequest": ".contract",
-        "Produced": ".engines.base",
-        "ReferenceModel": "._core.model",
-        "SessionEngine": ".engines.base",
-        "SessionState": "._core.model",
-        "ShardEngine": ".contract",
-        "ShardMachine": "._machine.state_machine",
-        "ShardkitError": ".errors",
-        "StatusCode": ".contract",
-        "StepInput": ".engines.base",
-        "StepResult": ".contract",
-        "StructuredStatus": ".contract",
-        "TokenOutput": ".contract",
-        "TraceFormatError": ".errors",
-        "assert_shard_engine_contract": "._core.conformance",
-        "fuzz": "._run.runner",
-        "machine_for": "._run.suite",
-        "replay": "._run.replay",
-        "step_rule": "._machine.state_machine",
-        "yield_point": "._parallel.lanes",
-    }
-)
+#: The public names, each with the module it is imported from on first use: read from the
+#: ``TYPE_CHECKING`` block above, the one place they are listed.
+_HOMES = _PUBLIC_HOMES
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
@@ -189,7 +92,7 @@ def __getattr__(name: str) -> Any:
     if home is None:
         message = f"module 'shardkit' has no attribute {name!r}"
         raise AttributeError(message)
-    value = getattr(importlib.import_module(home, __name__), name)
+    value = getattr(importlib.import_module(home), name)
     globals()[name] = value  # later lookups do not come back here
     return value
 

@@ -19,6 +19,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._public import settle
+
 __all__ = [
     "ACCEPTED_BOUNDARY_POINTS",
     "EPOCH_STEP_LIMIT",
@@ -512,3 +514,6 @@ class ShardEngine(abc.ABC):
 
     @abc.abstractmethod
     def metrics(self) -> MetricsResult: ...
+
+
+settle(__name__, globals())

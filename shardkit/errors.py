@@ -28,7 +28,7 @@ the kit and reported as a finding or as one of the errors here.
 - ``ForkUnavailable`` (``shardkit._transport.forkserver``): the process that forks
   ``--isolate``'s workers cannot give one; the worker pool catches it and starts a fresh
   interpreter instead.
-- ``_NotMeasured`` (``shardkit._cli.bench``): a run of a bench section failed; the section
+- ``_NotMeasured`` (``shardkit._bench.scale_out``): a run of a bench section failed; the section
   reports its message in place of figures.
 - ``_Budget`` (``shardkit._parallel.linearize``): the search for an order that explains a
   parallel phase visited its counted number of states; the search catches it and answers
@@ -38,6 +38,8 @@ the kit and reported as a finding or as one of the errors here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from shardkit._public import settle
 
 __all__ = [
     "ContractViolation",
@@ -197,3 +199,6 @@ class EngineLost(BaseException):
     def __init__(self, message: str, *, address: str) -> None:
         super().__init__(message)
         self.address = address
+
+
+settle(__name__, globals())

@@ -177,7 +177,8 @@ def _classes_of_errors_py() -> dict[str, type]:
     return {
         name: value
         for name, value in vars(errors).items()
-        if inspect.isclass(value) and value.__module__ == errors.__name__
+        # A public one reports the module to import it from, shardkit.
+        if inspect.isclass(value) and value.__module__ in (errors.__name__, "shardkit")
     }
 
 

@@ -18,6 +18,7 @@ from shardkit._core.model import Prediction, ReferenceModel, StepRequest
 from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
 from shardkit._core.targets import EngineFactory, Isolation
+from shardkit._public import settle
 from shardkit.contract import (
     BoundaryBundle,
     DecodeRequest,
@@ -366,3 +367,6 @@ def assert_shard_engine_contract(make_engine: EngineFactory) -> list[str]:
             summary += f"\nthe rules cited are explained in shardkit's {where}"
         raise ContractViolation(summary, failed_checks=[name for name, _ in failures])
     return skipped
+
+
+settle(__name__, globals())

@@ -39,6 +39,7 @@ from shardkit._core.output_checks import SessionLog
 from shardkit._core.steps import Action, build_request, step_note
 from shardkit._core.targets import ResolvedTarget, describe_exception, passes_through
 from shardkit._core.twins import OneShotTwin, TwinSession
+from shardkit._public import settle
 from shardkit.contract import (
     EngineCapabilities,
     EngineError,
@@ -457,3 +458,6 @@ class Driver(FaultSteps):
         "unloaded": _run_unloaded,
         "fault": FaultSteps._run_fault,
     }
+
+
+settle(__name__, globals())

@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from shardkit._public import settle
 from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
     EPOCH_STEP_LIMIT,
@@ -378,3 +379,6 @@ class ReferenceModel:
     def _max_sessions(self) -> int:
         assert self.capabilities is not None
         return self.capabilities.max_sessions
+
+
+settle(__name__, globals())

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shardkit._core.model import SessionState, StepRequest
+from shardkit._public import settle
 from shardkit.contract import (
     EPOCH_STEP_LIMIT,
     OUTPUT_BOUNDARY_POINT,
@@ -543,3 +544,6 @@ def malformations_for(caps: EngineCapabilities) -> tuple[str, ...]:
     """The malformation names that apply to the input kind of ``caps.role``, in a fixed order."""
     specific = TOKEN_MALFORMATIONS if caps.role in ("head", "full") else BUNDLE_MALFORMATIONS
     return (*specific, *COMMON_MALFORMATIONS)
+
+
+settle(__name__, globals())

@@ -46,6 +46,7 @@ from shardkit._core.targets import ResolvedTarget
 from shardkit._machine import profiles as _profiles  # importing it registers the shardkit-* profiles
 from shardkit._machine.hypothesis_adapter import mark_as_state_machine_test, stop_hypothesis
 from shardkit._parallel.runs import PHASE_RUNS, replay_steps
+from shardkit._public import settle
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
 from shardkit.errors import UsageError
 
@@ -830,3 +831,6 @@ def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
     else:
         amount = 0.0
     self.run(Action("fault", {"kind": chosen, "value": amount}))
+
+
+settle(__name__, globals())

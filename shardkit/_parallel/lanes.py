@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from shardkit._parallel.linearize import TimedStep
+from shardkit._public import settle
 
 __all__ = [
     "FAST_SWITCH_SECONDS",
@@ -163,3 +164,6 @@ def _switching_every(seconds: float) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(before)
+
+
+settle(__name__, globals())

@@ -56,12 +56,23 @@ def machine_identity(machine: type[ShardMachine]) -> str:
         f"faults={','.join(sorted(machine.fault_kinds))}",
         f"twins={machine.use_twins}",
         f"reference={reference}",
-        f"machine={getattr(base, '__module__', '?')}:{getattr(base, '__qualname__', base)}",
-        f"model={getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', model)}",
+        f"machine={_identity_name(base)}",
+        f"model={_identity_name(model)}",
     ]
     if machine.concurrency > 1:  # only then, so a sequential run keeps the names it always had
         parts.append(f"concurrency={machine.concurrency}")
     return "\n".join(parts)
+
+
+def _identity_name(value: object) -> str:
+    """``module:QualName`` of a machine or model class in a run's identity. The kit's own two are
+    named where they are defined, as they were before their ``__module__`` became ``shardkit``,
+    so that trace names, database keys and derandomized seeds stay what they were."""
+    if value is ShardMachine:
+        return "shardkit._machine.state_machine:ShardMachine"
+    if value is ReferenceModel:
+        return "shardkit._core.model:ReferenceModel"
+    return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', value)}"
 
 
 def _digest(text: str, length: int = 8) -> str:

@@ -22,6 +22,7 @@ from shardkit._machine.build import parse_faults
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
 from shardkit._machine.state_machine import ShardMachine
+from shardkit._public import settle
 from shardkit._run.database import DatabaseChoice, parse_database
 from shardkit._run.trace import importable_name
 from shardkit.contract import FAULT_KINDS, ROLES, Role
@@ -236,3 +237,6 @@ def _canonical_faults(faults: bool | str | Iterable[str]) -> str:
     if not kinds:
         return "none"
     return ",".join(kind for kind in FAULT_KINDS if kind in kinds)
+
+
+settle(__name__, globals())

@@ -41,6 +41,7 @@ from shardkit._core.targets import (
     worker_command_of,
 )
 from shardkit._parallel.runs import replay_runs
+from shardkit._public import settle
 from shardkit._run.trace_reader import Trace, check_custom_steps, read_trace
 from shardkit._run.trust import Admitted, admit, build_recorded_machine, check_named_code, resolve_admitted
 from shardkit._transport.isolation import target_with_options
@@ -472,3 +473,6 @@ def _describe(
 def _remote(target: object) -> bool:
     name = target if isinstance(target, str) else getattr(target, "name", "")
     return isinstance(name, str) and is_remote_address(name)
+
+
+settle(__name__, globals())

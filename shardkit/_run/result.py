@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardkit._machine.minimize import MinimizedFailure
 from shardkit._machine.state_machine import FailureReport
+from shardkit._public import settle
 
 __all__ = ["FuzzResult"]
 
@@ -63,3 +64,6 @@ class FuzzResult:
         """Hypothesis's ``@reproduce_failure`` line, if it printed one."""
         found = re.search(r"@reproduce_failure\([^)]*\)", self.hypothesis_output)
         return found.group(0) if found else None
+
+
+settle(__name__, globals())

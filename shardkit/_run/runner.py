@@ -34,6 +34,7 @@ from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
 from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, observed
+from shardkit._public import settle
 from shardkit._run.artefacts import Artefacts, run_settings_for
 from shardkit._run.database import open_database
 from shardkit._run.options import DEFAULT_BUDGETS, Budgets, FuzzOptions
@@ -329,3 +330,6 @@ def fuzz(
         machine.target.name, seed, reference, isolation.options if isolation is not None else None
     )
     return result
+
+
+settle(__name__, globals())

@@ -19,6 +19,7 @@ from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarg
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import suite_settings
 from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._public import settle
 from shardkit._run.artefacts import Artefacts, machine_identity
 from shardkit._run.database import (
     DATABASE_VARIABLE,
@@ -213,3 +214,6 @@ def _database_variables(shared: DatabaseChoice | None) -> str:
     value = f'"${DATABASE_VARIABLE}"' if shared.shown != shared.value else shlex.quote(shared.value)
     read_only = f"{READ_ONLY_VARIABLE}=1 " if shared.read_only else ""
     return f"{DATABASE_VARIABLE}={value} {read_only}"
+
+
+settle(__name__, globals())

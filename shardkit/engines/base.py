@@ -61,6 +61,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._public import settle
 from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
     EVIDENCE_CLASSES,
@@ -699,3 +700,6 @@ def _least_likely_token(produced: Produced, output: BoundaryBundle | TokenOutput
         return None
     least = int(np.argmin(produced))
     return None if least == output.token_id else least
+
+
+settle(__name__, globals())

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from shardkit._public import settle
 from shardkit.contract import (
     DecodeRequest,
     EngineCapabilities,
@@ -93,3 +94,6 @@ class DelegatingEngine(ShardEngine, Generic[InnerT]):
 
     def metrics(self) -> MetricsResult:
         return self.inner.metrics()
+
+
+settle(__name__, globals())

@@ -27,6 +27,7 @@ from typing import ClassVar, Generic, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._public import settle
 from shardkit.contract import LoadRequest, Role
 from shardkit.engines._checks import is_int_at_least
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
@@ -265,3 +266,6 @@ class FakeShardEngine(SessionEngine[list[bytes]]):
             logits = _unit_float_bytes(b"lm_head" + final_rows[-1], self._config.vocab_size)
             return chains, np.frombuffer(logits, dtype=_FLOAT32)
         return chains, b"".join(final_rows)
+
+
+settle(__name__, globals())

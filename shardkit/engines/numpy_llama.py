@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal, Self
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._public import settle
 from shardkit.contract import LoadRequest, Role
 from shardkit.engines._checks import is_int_at_least
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
@@ -281,3 +282,6 @@ class NumpyShardEngine(SessionEngine[_KVCache]):
         if shard.output is not None:
             return new_cache, shard.logits(x[-1])
         return new_cache, x
+
+
+settle(__name__, globals())

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from shardkit._public import settle
 from shardkit.contract import (
     OUTPUT_BOUNDARY_POINT,
     BoundaryBundle,
@@ -417,3 +418,6 @@ class PipelineEngine(ShardEngine):
             active_sessions=max(metrics.active_sessions for metrics in figures),
             kv_tokens=max(metrics.kv_tokens for metrics in figures),
         )
+
+
+settle(__name__, globals())
