@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 from shardkit import __version__
-from shardkit._cli import bench
-from shardkit._cli.commands import bench_settings
+from shardkit._bench.render import render
+from shardkit._bench.run import run_bench
+from shardkit._bench.settings import NOT_MEASURED, QUICK, SECTIONS, BenchSettings
+from shardkit._bench.throughput import PROFILE_COMPONENTS
+from shardkit._cli.bench import bench_settings
 from shardkit._cli.main import main
 from shardkit._cli.parser import build_parser
 from shardkit._planted import PLANTED
@@ -423,7 +426,7 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_qui
     for row in figures["per_role"].values():
         assert row["kit_steps_per_s"] > 0
         # Kit and bare interleaved, one ratio a round; the figure is the median round's.
-        assert len(row["rounds"]) == bench.QUICK.rounds == 2
+        assert len(row["rounds"]) == QUICK.rounds == 2
         for one in row["rounds"]:
             assert one["ratio"] == pytest.approx(one["kit_steps_per_s"] / one["bare_steps_per_s"], rel=0.01)
         # The median round (the lower middle one of two): the row's rates and ratio are its own.
@@ -440,7 +443,7 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_qui
     assert [row["engine"] for row in figures["planted"]] == [engine.__name__ for engine in PLANTED[:3]]
     assert all(len(row["runs"]) == 1 for row in figures["planted"])
     # Every section was measured, each timed.
-    assert set(figures["section_seconds"]) == set(bench.SECTIONS)
+    assert set(figures["section_seconds"]) == set(SECTIONS)
     for row in figures["out_of_process"].values():
         assert len(row["steps_per_s_by_round"]) == 2
     assert (
@@ -456,7 +459,7 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_quick: st
     """The tables ``shardkit bench`` prints without ``--json`` are ``render`` of these figures:
     each measured section comes out as its table, none as "not measured" (the planted table's
     own test, below, measures the planted section alone)."""
-    table = bench.render(json.loads(bench_json_quick))
+    table = render(json.loads(bench_json_quick))
     assert (
         "throughput, 10 examples × 10 steps, seed 1 (fake engine, faults on; kit and bare interleaved, the median of 2 rounds):"
         in table
@@ -486,33 +489,33 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_quick: st
         table,
         re.MULTILINE,
     ), table
-    assert bench.NOT_MEASURED not in table
+    assert NOT_MEASURED not in table
 
 
 def test_bench_planted_none_skips_the_planted_engines() -> None:
-    figures = bench.run_bench(bench.BenchSettings(planted_module=None), sections=("planted",))
+    figures = run_bench(BenchSettings(planted_module=None), sections=("planted",))
     assert figures["planted"] == "skipped (--planted none)"
-    assert "planted bugs: skipped (--planted none)" in bench.render(figures)
+    assert "planted bugs: skipped (--planted none)" in render(figures)
 
 
 def test_bench_profile_splits_a_kit_run_into_the_kits_components() -> None:
     """``--profile``: each role's shares sum to one, and the components a run always passes
     through (Hypothesis, the engine, the driver, the twin oracle) each have a share."""
-    figures = bench.run_bench(bench.BenchSettings(examples=5, steps=10, profile=True), sections=("profile",))
+    figures = run_bench(BenchSettings(examples=5, steps=10, profile=True), sections=("profile",))
     profile = figures["profile"]
     assert set(profile) == {"full", "head", "middle", "tail"}
-    components = {name for _, name in bench.PROFILE_COMPONENTS}
+    components = {name for _, name in PROFILE_COMPONENTS}
     for shares in profile.values():
         assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
         assert set(shares) <= components | {"Python's built-ins and standard library"}
         for part in ("hypothesis/", "shardkit/engines/", "shardkit/_core/driver.py", "shardkit/_core/twins.py"):
-            assert shares[dict(bench.PROFILE_COMPONENTS)[part]] > 0, (part, shares)
-    table = bench.render(figures)
+            assert shares[dict(PROFILE_COMPONENTS)[part]] > 0, (part, shares)
+    table = render(figures)
     assert re.search(
         r"^  Hypothesis \(drawing steps.* +\d+\.\d% +\d+\.\d% +\d+\.\d% +\d+\.\d%$", table, re.MULTILINE
     ), table
     assert (
-        bench.run_bench(bench.BenchSettings(), sections=("profile",))["profile"]
+        run_bench(BenchSettings(), sections=("profile",))["profile"]
         == "not measured (shardkit bench --profile)"
     )
 
@@ -554,13 +557,13 @@ def planted_section_only(monkeypatch: pytest.MonkeyPatch) -> None:
     settings it builds from the options, its printing), measuring the planted section alone
     (``run_bench``'s ``sections``): the others take a minute or more even at 20 examples, and
     the tests of the planted figures read none of them (the two tests above do)."""
-    monkeypatch.setattr(bench, "run_bench", functools.partial(bench.run_bench, sections=("planted",)))
+    monkeypatch.setattr("shardkit._bench.run.run_bench", functools.partial(run_bench, sections=("planted",)))
 
 
 def test_bench_refuses_a_section_it_does_not_have_before_measuring() -> None:
     """A misspelt section is an error, not a bench that silently measures less than it was asked to."""
     with pytest.raises(ValueError, match=r"unknown bench sections \['plants'\]; the sections are throughput, "):
-        bench.run_bench(bench.BenchSettings(), sections=("planted", "plants"))
+        run_bench(BenchSettings(), sections=("planted", "plants"))
 
 
 @pytest.mark.usefixtures("planted_section_only")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardkit._cli.main import main
-from shardkit._core.targets import worker_command_target
+from shardkit._core.targets import WorkerCommand
 from shardkit._run.replay import replay
 from shardkit._run.runner import fuzz
 from shardkit._transport.worker import live_worker_pids
@@ -96,7 +96,7 @@ def test_the_planted_cancel_leak_is_found_shrunk_and_replayed(build: Path, seed:
     replayed = replay(result.trace_path, trust=True)
     assert replayed.reproduced
     # The unplanted build, named by the user, no longer fails the trace.
-    assert replay(result.trace_path, target=worker_command_target(worker(build))).failure is None
+    assert replay(result.trace_path, target=WorkerCommand(worker(build))).failure is None
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -5,6 +5,9 @@ warning and a local folder; bad values are one-line usage errors; pytest suites 
 
 The Redis tests run against the server ``SHARDKIT_TEST_REDIS_URL`` names (``.ci/run`` starts one
 on 127.0.0.1); without it they skip, unless ``SHARDKIT_REQUIRE_REDIS=1`` makes that a failure.
+The tests that need only the ``redis`` client (the ``redis`` extra, in ``.[test]``) skip without
+it, under the same rule; the others (a folder database, the usage errors, a failing shared
+database stood in for in memory) run without the client or a server.
 They share that server's database with whatever else runs at the same time (another
 pytest-xdist worker, another checkout's CI): each test fuzzes an engine file of its own under
 ``tmp_path``, and the database's keys carry the engine's identity (its absolute path), so no two
@@ -20,12 +23,14 @@ import sys
 import unittest
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 from hypothesis import settings
 from hypothesis.database import InMemoryExampleDatabase
 
 from shardkit._cli.main import main
+from shardkit._core.targets import PythonTarget, parse_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import CI_PROFILE
 from shardkit._run.artefacts import _EngineKeyedDatabase, machine_identity
@@ -51,6 +56,32 @@ ENGINE_SOURCE = "from shardkit._planted import ReleaseLeaksKvTokens as Engine\n"
 FOUND_IN_THE_FIRST_EXAMPLE = "1 example (2 steps) until the first failure"
 THE_FAILURE = "FAILURE (§2 metrics) in 2 steps:"
 DATABASE_VARIABLES = (DATABASE_VARIABLE, READ_ONLY_VARIABLE)
+#: Set by CI (``.ci/run``): a missing Redis server or ``redis`` client fails its tests instead of skipping them.
+REDIS_REQUIRED = os.environ.get("SHARDKIT_REQUIRE_REDIS") == "1"
+REDIS_CLIENT_MISSING = "the redis package is missing: pip install -e '.[test]'"
+
+
+def skip_or_fail_without_redis(problem: str) -> NoReturn:
+    """Skip the test that needs what ``problem`` says is missing; under ``SHARDKIT_REQUIRE_REDIS=1``, fail it."""
+    if REDIS_REQUIRED:
+        pytest.fail(f"SHARDKIT_REQUIRE_REDIS=1, but {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
+def redis_client_installed() -> bool:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture
+def redis_client() -> None:
+    """For a test that needs the ``redis`` client but no server: skips without it (fails under
+    ``SHARDKIT_REQUIRE_REDIS=1``)."""
+    if not redis_client_installed():
+        skip_or_fail_without_redis(REDIS_CLIENT_MISSING)
 
 
 def engine_file(folder: Path) -> str:
@@ -78,7 +109,7 @@ def shardkit_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def identity_prefix(target: str) -> bytes:
     """The key prefix of ``target`` fuzzed with the default options, as Redis stores it."""
-    machine = build_machine(target, **FuzzOptions().machine_options())
+    machine = build_machine(parse_target(target), **FuzzOptions().machine_options())
     return REDIS_KEY_PREFIX + _EngineKeyedDatabase(InMemoryExampleDatabase(), machine_identity(machine)).prefix
 
 
@@ -102,7 +133,6 @@ def no_database_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def redis_url() -> str:
     """The URL of the Redis server to test against, checked to answer."""
     url = os.environ.get("SHARDKIT_TEST_REDIS_URL", "")
-    required = os.environ.get("SHARDKIT_REQUIRE_REDIS") == "1"
     problem = None
     if not url:
         problem = (
@@ -112,7 +142,7 @@ def redis_url() -> str:
         try:
             import redis
         except ImportError:
-            problem = "the redis package is missing: pip install -e '.[test]'"
+            problem = REDIS_CLIENT_MISSING
         else:
             client = redis.Redis.from_url(url, socket_connect_timeout=5)
             try:
@@ -122,9 +152,7 @@ def redis_url() -> str:
             finally:
                 client.close()
     if problem is not None:
-        if required:
-            pytest.fail(f"SHARDKIT_REQUIRE_REDIS=1, but {problem}", pytrace=False)
-        pytest.skip(problem)
+        skip_or_fail_without_redis(problem)
     return url
 
 
@@ -230,10 +258,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str
     return code, captured.out, captured.err
 
 
+@pytest.mark.usefixtures("redis_client")
 def test_an_unreachable_redis_is_one_warning_and_the_run_saves_locally(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    pytest.importorskip("redis")
     monkeypatch.chdir(tmp_path)
     url = f"redis://127.0.0.1:{closed_port()}/0"
     code, out, err = run(capsys, "fuzz", engine_file(tmp_path), "--seed", "1", "--database", url, "--out", "out")
@@ -306,6 +334,7 @@ class _FullShared(InMemoryExampleDatabase):
         raise error
 
 
+@pytest.mark.usefixtures("redis_client")
 def test_a_redis_warning_never_prints_an_examples_key_bytes(tmp_path: Path) -> None:
     warnings: list[str] = []
     choice = DatabaseChoice("redis", "redis://cache.example:6379/0")
@@ -320,6 +349,7 @@ def test_a_redis_warning_never_prints_an_examples_key_bytes(tmp_path: Path) -> N
     assert "key" not in warning.partition("(")[2]
 
 
+@pytest.mark.usefixtures("redis_client")
 def test_a_redis_that_refuses_the_password_says_so_not_that_it_is_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -425,7 +455,7 @@ def test_bad_database_settings_from_the_environment_or_flags_exit_2_in_one_line(
 def test_no_database_is_the_default_and_the_variable_is_the_options_default() -> None:
     assert choose_database(None, False, {}) == NO_DATABASE
     assert FuzzOptions().database_choice == NO_DATABASE
-    assert "--database" not in FuzzOptions().command("shardkit:FakeShardEngine", 1, None, None)
+    assert "--database" not in FuzzOptions().command(PythonTarget("shardkit:FakeShardEngine"), 1, None, None)
     from_environment = choose_database(None, False, {DATABASE_VARIABLE: "examples", READ_ONLY_VARIABLE: "1"})
     assert from_environment == DatabaseChoice("directory", "examples", True, DATABASE_VARIABLE)
     assert choose_database("none", False, {DATABASE_VARIABLE: "examples"}) == DatabaseChoice(
@@ -436,7 +466,7 @@ def test_no_database_is_the_default_and_the_variable_is_the_options_default() ->
 def test_read_only_from_the_environment_applies_to_a_named_database_and_leaves_none_alone() -> None:
     """A CI sets SHARDKIT_DATABASE_READ_ONLY=1 for every pull-request job, some naming no database."""
     read_only = {READ_ONLY_VARIABLE: "1"}
-    assert choose_database("redis://cache.example:6379/0", False, read_only).read_only
+    assert choose_database("examples", False, read_only).read_only
     assert choose_database("none", False, read_only) == NO_DATABASE
     assert choose_database(None, False, read_only) == NO_DATABASE
     with pytest.raises(UsageError, match="database_read_only"):
@@ -444,21 +474,28 @@ def test_read_only_from_the_environment_applies_to_a_named_database_and_leaves_n
     assert FuzzOptions(database="examples", database_read_only=True).database_choice.read_only
 
 
+@pytest.mark.usefixtures("redis_client")
+def test_read_only_from_the_environment_applies_to_a_named_redis() -> None:
+    assert choose_database("redis://cache.example:6379/0", False, {READ_ONLY_VARIABLE: "1"}).read_only
+
+
 @pytest.mark.parametrize(
-    ("choice", "printed"),
+    ("value", "how", "printed"),
     [
-        (parse_database("redis://cache.example:6379/2"), " --database redis://cache.example:6379/2"),
-        (parse_database("shared examples", read_only=True), " --database 'shared examples' --database-read-only"),
-        (parse_database("redis://:hunter2@cache.example:6379/0"), " --database 'redis://:****@cache.example:6379/0'"),
-        (
-            parse_database("redis://:hunter2@cache.example/0", source=DATABASE_VARIABLE),
-            ' --database "$SHARDKIT_DATABASE"',
-        ),
+        ("redis://cache.example:6379/2", {}, " --database redis://cache.example:6379/2"),
+        ("shared examples", {"read_only": True}, " --database 'shared examples' --database-read-only"),
+        ("redis://:hunter2@cache.example:6379/0", {}, " --database 'redis://:****@cache.example:6379/0'"),
+        ("redis://:hunter2@cache.example/0", {"source": DATABASE_VARIABLE}, ' --database "$SHARDKIT_DATABASE"'),
     ],
     ids=["redis", "a folder, read-only", "a password typed", "a password from the environment"],
 )
-def test_the_rerun_command_names_the_database_and_never_a_password(choice: DatabaseChoice, printed: str) -> None:
-    command = FuzzOptions(database=choice).command("shardkit:FakeShardEngine", 7, None, None)
+def test_the_rerun_command_names_the_database_and_never_a_password(
+    value: str, how: dict[str, Any], printed: str, request: pytest.FixtureRequest
+) -> None:
+    if value.startswith("redis://"):
+        request.getfixturevalue("redis_client")  # parse_database checks that a redis:// value can be opened
+    choice = parse_database(value, **how)
+    command = FuzzOptions(database=choice).command(PythonTarget("shardkit:FakeShardEngine"), 7, None, None)
     assert command == f"shardkit fuzz shardkit:FakeShardEngine --seed 7{printed}"
     assert "hunter2" not in command
 

@@ -15,8 +15,15 @@ from shardkit._planted import PLANTED
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+TESTS = ROOT / "tests"
 SOURCES = sorted((ROOT / "shardkit").rglob("*.py"))
-USER_TEXTS = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *SOURCES, *sorted((ROOT / "stateful").glob("*.py"))]
+USER_TEXTS = [
+    ROOT / "README.md",
+    *sorted(DOCS.glob("*.md")),
+    *SOURCES,
+    *sorted((ROOT / "stateful").glob("*.py")),
+    TESTS / "README.md",
+]
 
 
 def anchors_of(page: Path) -> set[str]:
@@ -119,3 +126,25 @@ def test_the_readme_layout_table_matches_the_tree() -> None:
     ]
     unlisted = [room for room in rooms if room not in paths]
     assert not unlisted, f"the README's layout does not say what these hold: {unlisted}"
+
+
+def listed_in_tests_readme() -> list[str]:
+    """The paths of tests/README.md's table (its first column)."""
+    return re.findall(r"^\| `([^`]+)` \|", (TESTS / "README.md").read_text(encoding="utf-8"), flags=re.MULTILINE)
+
+
+def test_the_tests_readme_names_every_file_of_tests_and_cites_no_spec() -> None:
+    """tests/README.md says what each file and folder of tests/ holds, and cites the contract
+    (docs/contract.md), not the design notes outside the repository."""
+    listed = listed_in_tests_readme()
+    present = [
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in sorted(TESTS.iterdir())
+        if entry.name not in {"__pycache__", "__init__.py", "README.md"} and not entry.name.startswith(".")
+    ]
+    assert len(present) >= 50, present  # the scan sees the suite
+    unlisted = [entry for entry in present if entry not in listed]
+    assert not unlisted, f"tests/README.md's table does not say what these hold: {unlisted}"
+    gone = [path for path in listed if not (TESTS / path).exists()]
+    assert not gone, f"tests/README.md's table names paths that do not exist: {gone}"
+    assert "SPEC" not in (TESTS / "README.md").read_text(encoding="utf-8"), "cite docs/contract.md, not SPEC"

@@ -57,6 +57,7 @@ ABOVE_THE_CORE = (
     "shardkit._run",
     "shardkit._campaign",
     "shardkit._html",
+    "shardkit._bench",
     "shardkit._cli",
     "shardkit.pytest_plugin",
     "shardkit.remote",
@@ -68,6 +69,7 @@ ABOVE_THE_TRANSPORT = (
     "shardkit._run",
     "shardkit._campaign",
     "shardkit._html",
+    "shardkit._bench",
     "shardkit._cli",
     "shardkit.pytest_plugin",
 )
@@ -80,6 +82,7 @@ ABOVE_THE_HTML = (
     "shardkit._machine",
     "shardkit._run",
     "shardkit._campaign",
+    "shardkit._bench",
     "shardkit._cli",
     "shardkit.engines",
     "shardkit.pytest_plugin",
@@ -89,7 +92,13 @@ BELOW_THE_HTML = ("shardkit._run", "shardkit._machine", "shardkit._parallel")
 #: A campaign runs rounds of ``fuzz`` and the command line runs a campaign: what one run is
 #: never reaches the campaign, and the campaign never reaches the command line.
 BELOW_THE_CAMPAIGN = ("shardkit._run", "shardkit._machine", "shardkit._parallel")
-ABOVE_THE_CAMPAIGN = ("shardkit._cli", "shardkit.pytest_plugin")
+ABOVE_THE_CAMPAIGN = ("shardkit._bench", "shardkit._cli", "shardkit.pytest_plugin")
+#: The bench measures the run, the machine, the parallel phases, the campaign and the transport,
+#: and only the command line runs it: no module but the command line's imports the bench, and
+#: the bench reaches nothing of the command line (the rooms below it are held by the lists above).
+BENCH = "shardkit._bench"
+IMPORTERS_OF_THE_BENCH = ("shardkit._cli",)
+ABOVE_THE_BENCH = ("shardkit._cli",)
 
 #: Module-level values that are mutable however they are used.
 MUTABLE_CALLS = frozenset({"dict", "list", "set", "Counter", "defaultdict", "deque", "OrderedDict"})
@@ -254,6 +263,18 @@ def room_violations(graph: dict[str, set[str]], room: str, layers: dict[str, set
     ]
 
 
+def direct_importers(graph: dict[str, set[str]], room: str, allowed: tuple[str, ...]) -> list[str]:
+    """``a -> b`` for each module outside ``room`` and ``allowed`` that itself imports a module
+    ``b`` of ``room`` (reaching ``room`` through a module of ``allowed`` is no such import)."""
+    return [
+        f"{module} -> {imported}"
+        for module in sorted(graph)
+        if not _within(module, (room, *allowed))
+        for imported in sorted(graph[module])
+        if _within(imported, (room,))
+    ]
+
+
 def _cycle_text(graph: dict[str, set[str]], cycles: list[list[str]]) -> str:
     """Each circle, and every module of its tangle (the circles through it may be many)."""
     components = strongly_connected(graph)
@@ -379,6 +400,14 @@ def test_the_html_report_reads_only_the_document() -> None:
     found = layer_violations(graph, ("shardkit._html",), ABOVE_THE_HTML)
     found += layer_violations(graph, BELOW_THE_HTML, ("shardkit._html",))
     assert not found, "the HTML report reaches a run, or a run reaches it:\n" + "\n".join(found)
+
+
+def test_only_the_command_line_imports_the_bench_and_the_bench_never_reaches_it() -> None:
+    graph = import_graph(PACKAGE_ROOT)
+    assert "shardkit._bench.run" in reachable(graph, "shardkit._cli.bench"), "the bench's modules were not read"
+    found = direct_importers(graph, BENCH, IMPORTERS_OF_THE_BENCH)
+    found += layer_violations(graph, (BENCH,), ABOVE_THE_BENCH)
+    assert not found, "the bench is imported from outside the command line, or reaches it:\n" + "\n".join(found)
 
 
 def test_the_transport_room_is_layered() -> None:
@@ -518,3 +547,19 @@ def test_the_layer_checks_find_an_import_upwards() -> None:
     layers = {"base": set(), "mid": {"base"}, "top": {"mid"}}
     assert room_violations(graph, "pkg.room", layers) == ["pkg.room.top -> pkg.room.mid -> pkg.room.base"]
     assert room_violations(graph, "pkg.room", {**layers, "top": {"mid", "base"}}) == []
+
+
+def test_the_importer_check_finds_a_direct_import_from_outside_the_allowed_rooms() -> None:
+    graph = {
+        "pkg.room": {"pkg.room.a"},
+        "pkg.room.a": {"pkg.room.b", "pkg.low"},
+        "pkg.room.b": set(),
+        "pkg.cli.x": {"pkg.room.a"},
+        "pkg.cli.y": {"pkg.cli.x"},
+        "pkg.other": {"pkg.room.b", "pkg.cli.y"},
+        "pkg.low": set(),
+    }
+    # pkg.other reaches pkg.room.a through the command line too: only its own import counts.
+    assert direct_importers(graph, "pkg.room", ("pkg.cli",)) == ["pkg.other -> pkg.room.b"]
+    assert direct_importers(graph, "pkg.room", ()) == ["pkg.cli.x -> pkg.room.a", "pkg.other -> pkg.room.b"]
+    assert direct_importers(graph, "pkg.room", ("pkg.cli", "pkg.other")) == []

@@ -30,6 +30,7 @@ from shardkit._core.native_threads import (
     pinned_native_threads,
     worker_environment,
 )
+from shardkit._core.targets import PythonTarget
 from shardkit._run.runner import fuzz
 from shardkit.contract import (
     BoundaryBundle,
@@ -111,7 +112,7 @@ def test_the_worker_pool_starts_its_workers_with_the_pin(
     from shardkit._core.targets import IsolationOptions
     from shardkit._transport.worker import WorkerPool
 
-    pool = WorkerPool("shardkit:FakeShardEngine", IsolationOptions())
+    pool = WorkerPool(PythonTarget("shardkit:FakeShardEngine"), IsolationOptions())
     try:
         environment = pool._environment()
         assert {name: environment[name] for name in THREAD_VARIABLES} == dict.fromkeys(THREAD_VARIABLES, "1")
@@ -332,38 +333,41 @@ def test_a_bit_exact_engine_is_never_flagged_because_its_bits_follow_the_pool_si
 
 
 def test_the_bench_measures_the_pin_under_both_conditions_and_renders_it() -> None:
-    from shardkit._cli import bench
+    from shardkit._bench.native_threads import NATIVE_CONDITIONS
+    from shardkit._bench.render import render
+    from shardkit._bench.run import run_bench
+    from shardkit._bench.settings import QUICK
 
-    figures = bench.run_bench(bench.QUICK, sections=("native_threads",))
+    figures = run_bench(QUICK, sections=("native_threads",))
     native = figures["native_threads"]
     if CORES < 2:
         assert native == "not measured: one core, so a native pool has one thread pinned or not"
         return
-    assert native["prefill_tokens"] == bench.QUICK.native_prefill_tokens == 32
+    assert native["prefill_tokens"] == QUICK.native_prefill_tokens == 32
     assert native["tolerance"] == NumpyShardEngine.TOLERANCE
     assert 0.0 <= native["max_difference"] <= native["tolerance"]
     assert native["within_tolerance"] is True
     assert native["pools"], "threadpoolctl found no native pool in numpy"
-    assert list(native["conditions"]) == list(bench.NATIVE_CONDITIONS)
+    assert list(native["conditions"]) == list(NATIVE_CONDITIONS)
     for condition, row in native["conditions"].items():
         assert row["busy_processes"] == (0 if condition == "machine as found" else CORES - 1)
-        assert len(row["default_ms_by_round"]) == len(row["pinned_ms_by_round"]) == bench.QUICK.rounds
+        assert len(row["default_ms_by_round"]) == len(row["pinned_ms_by_round"]) == QUICK.rounds
         assert row["slower_min"] <= row["slower"] <= row["slower_max"]
         # The row is its median round's: its two times and its ratio agree.
         assert row["slower"] == pytest.approx(row["default_ms"] / row["pinned_ms"], rel=0.02)
-    lines = bench.render(figures).splitlines()
+    lines = render(figures).splitlines()
     header = next(line for line in lines if line.startswith("native threads ("))
     assert "32-token prefill" in header
-    assert f"the median of {bench.QUICK.rounds} rounds; outputs " in header
+    assert f"the median of {QUICK.rounds} rounds; outputs " in header
     assert header.endswith(_render_native_threads_outputs(native))
-    for condition in bench.NATIVE_CONDITIONS:
+    for condition in NATIVE_CONDITIONS:
         assert any(line.startswith(f"  {condition} ") and "x" in line and "slower unpinned" in line for line in lines)
 
 
 def _render_native_threads_outputs(native: dict[str, object]) -> str:
-    from shardkit._cli import bench
+    from shardkit._bench.render import _render_native_threads
 
-    return bench._render_native_threads(native)[0].rsplit("; outputs ", 1)[1]
+    return _render_native_threads(native)[0].rsplit("; outputs ", 1)[1]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit._core.targets import IsolationOptions
+from shardkit._core.targets import IsolationOptions, PythonTarget
 from shardkit._run.options import FuzzOptions
 from shardkit._run.runner import fuzz
 from shardkit.errors import UsageError
@@ -38,13 +38,13 @@ def test_faults_and_role_are_held_in_one_canonical_form() -> None:
 
 
 def test_the_rerun_command_names_only_what_differs_from_the_defaults() -> None:
-    assert FuzzOptions().command("t:f", 7, None, None) == "shardkit fuzz t:f --seed 7"
+    assert FuzzOptions().command(PythonTarget("t:f"), 7, None, None) == "shardkit fuzz t:f --seed 7"
     changed = FuzzOptions(examples=500, steps=20, role="tail", faults="delay", twins=False)
-    assert changed.command("t:f", 7, "r:g", None) == (
+    assert changed.command(PythonTarget("t:f"), 7, PythonTarget("r:g"), None) == (
         "shardkit fuzz t:f --seed 7 --role tail --examples 500 --steps 20 --faults delay --no-twins --reference r:g"
     )
     isolated = FuzzOptions(isolate=True, step_timeout=2.0)
-    assert isolated.command("t:f", 1, None, IsolationOptions(step_timeout=2.0)).endswith("--isolate --step-timeout 2")
+    assert isolated.command(PythonTarget("t:f"), 1, None, IsolationOptions(step_timeout=2.0)).endswith("--isolate --step-timeout 2")
 
 
 def test_fuzz_takes_options_or_their_fields_by_name_and_refuses_unknown_ones() -> None:
@@ -66,8 +66,8 @@ def test_the_rerun_command_says_when_the_command_line_cannot_name_the_rules() ->
     class LocalModel(ReferenceModel):
         pass
 
-    local = FuzzOptions(base=LocalMachine).command("t:f", 7, None, None)
+    local = FuzzOptions(base=LocalMachine).command(PythonTarget("t:f"), 7, None, None)
     assert local.endswith("# needs the machine test_the_rerun_command_says_when_the_command_line_cannot_name_the_rules.<locals>.LocalMachine, which cannot be imported by name: rerun from Python")
-    model = FuzzOptions(model=LocalModel).command("t:f", 7, None, None)
+    model = FuzzOptions(model=LocalModel).command(PythonTarget("t:f"), 7, None, None)
     assert model.startswith("shardkit fuzz t:f --seed 7  # needs the model ")
-    assert FuzzOptions(model=ReferenceModel).command("t:f", 7, None, None) == "shardkit fuzz t:f --seed 7"
+    assert FuzzOptions(model=ReferenceModel).command(PythonTarget("t:f"), 7, None, None) == "shardkit fuzz t:f --seed 7"

@@ -15,6 +15,7 @@ from hypothesis import settings
 
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
+from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
 from shardkit._parallel.phase import LINEARIZABILITY, run_parallel
 from shardkit._planted.base import DelegatingEngine as PlantedBase
@@ -143,7 +144,7 @@ def test_a_phase_refuses_to_start_with_a_fault_armed() -> None:
 
 def fuzz_with_lanes(engine: Any, seed: int, examples: int) -> Any:
     """A run of a machine with two lanes, not minimised (tests/test_parallel_repro.py minimises)."""
-    machine = build_machine(engine, faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(engine), faults="none", concurrency=2)
     run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
     return run_machine(machine, run_settings, seed=seed, out=None, minimize=False)
 
@@ -170,4 +171,4 @@ def test_a_machine_with_lanes_never_flags_a_thread_safe_engine() -> None:
 def test_a_machine_refuses_a_concurrency_it_cannot_run() -> None:
     for bad in (0, 4, 2.0, "2"):
         with pytest.raises(UsageError, match=f"concurrency must be a number of lanes from 1 to 3, got {bad!r}"):
-            build_machine(LockedFake, concurrency=bad)  # type: ignore[arg-type]
+            build_machine(PythonTarget(LockedFake), concurrency=bad)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from shardkit import replay
 from shardkit._cli.main import main
 from shardkit._core.driver import StepRecord, Violation
 from shardkit._core.steps import PARALLEL_OP, Action, phase_action, step_action
+from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
 from shardkit._machine.minimize import minimize_failure
 from shardkit._machine.state_machine import FailureReport
@@ -30,7 +31,7 @@ LOCKED = "shardkit:FakeShardEngine"
 
 
 def found(seed: int, out: Path) -> FuzzResult:
-    machine = build_machine(DecodeCounterRaces, faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(DecodeCounterRaces), faults="none", concurrency=2)
     run_settings = settings(max_examples=300, stateful_step_count=50, database=None, deadline=None)
     result = run_machine(machine, run_settings, seed=seed, out=out)
     assert result.failure is not None, f"the lost update was not found at seed {seed}"
@@ -105,7 +106,7 @@ def test_the_regression_test_repeats_the_phase(
 def test_the_minimiser_deletes_steps_from_the_lanes_and_the_steps_before() -> None:
     """From the concrete steps alone (no drawn choices): the prefills and the lane steps the
     race does not need go, each lane keeping its other steps."""
-    machine = build_machine(DecodeCounterRaces, faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(DecodeCounterRaces), faults="none", concurrency=2)
     phase = phase_action(
         [
             [step_action("decode", "a", 0, 1, (3,)), Action("release", {"session": "b"})],

@@ -34,7 +34,7 @@ from shardkit import (
 from shardkit._cli.main import main
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
-from shardkit._core.targets import IsolationOptions
+from shardkit._core.targets import IsolationOptions, parse_target
 from shardkit._machine.build import build_machine
 from shardkit._parallel.phase import run_parallel
 from shardkit._planted.dying import DyingEngine, HangsOnSecondDecode, SegfaultsOnDecodeAfterCancel
@@ -131,7 +131,7 @@ def served(tmp_path: Path) -> Iterator[Callable[[object], EngineServer]]:
 
 
 def fuzzed(target: str, seed: int, examples: int, concurrency: int, **options: object) -> FuzzResult:
-    machine = build_machine(target, faults="none", concurrency=concurrency, **options)  # type: ignore[arg-type]
+    machine = build_machine(parse_target(target), faults="none", concurrency=concurrency, **options)  # type: ignore[arg-type]
     run_settings = settings(max_examples=examples, stateful_step_count=20, database=None, deadline=None)
     try:
         return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)

@@ -1,7 +1,8 @@
 """Every command of the README's ```bash blocks runs as written, from a fresh copy of the
 repository: a README command that breaks fails this test. Its ```python blocks run too: a
 block whose first line names a file (``# sum_engine.py``) is written to that file in the
-copy before any command runs (the commands use it); any other block runs as a script.
+copy before any command runs, and must be named by a command that runs (which is how it
+runs); any other block runs as a script. Each python block is one test, whichever it is.
 
 Commands are taken block by block (a ``\\`` continues a line, ``&&`` chains are split into
 their parts), so the README may change freely. A part is skipped only when it matches an
@@ -122,24 +123,45 @@ def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-SCRIPTS = [block for block in python_blocks(README.read_text(encoding="utf-8")) if named_file(block) is None]
+PYTHON_BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
 
 
-def test_the_readme_has_python_blocks_and_the_files_they_name_are_used() -> None:
-    """The engine skeleton is a file the README's commands use, not decoration."""
-    markdown = README.read_text(encoding="utf-8")
-    names = [name for name in map(named_file, python_blocks(markdown)) if name is not None]
-    assert "sum_engine.py" in names
-    assert all(any(name in command.text for command in ALL) for name in names), names
+def python_block_id(number: int, block: str) -> str:
+    name = named_file(block)
+    return f"python block {number}: " + (f"the file {name}" if name else "a script")
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[f"python block {n}" for n in range(1, len(SCRIPTS) + 1)])
-def test_a_readme_python_block_runs_as_written(script: str, fresh_copy: Path) -> None:
+def test_the_readme_has_python_blocks_and_the_engine_skeleton_is_one() -> None:
+    """The blocks the test below runs were found (so it cannot pass on none), and the engine
+    skeleton is among them as a file."""
+    assert PYTHON_BLOCKS
+    assert "sum_engine.py" in map(named_file, PYTHON_BLOCKS)
+
+
+def commands_running(name: str) -> list[Command]:
+    """The README's commands that name the file ``name`` and are not skipped."""
+    return [command for command in ALL if name in command.text and skip_reason(command) is None]
+
+
+@pytest.mark.parametrize(
+    "block", PYTHON_BLOCKS, ids=[python_block_id(n, block) for n, block in enumerate(PYTHON_BLOCKS, start=1)]
+)
+def test_a_readme_python_block_runs_as_written(block: str, fresh_copy: Path) -> None:
+    """A script runs here; a file is written to the copy and runs in the README's commands that
+    name it (``test_a_readme_command_runs_as_written``), so at least one of them must run."""
+    name = named_file(block)
+    if name is not None:
+        assert (fresh_copy / name).read_text(encoding="utf-8") == block
+        assert commands_running(name), (
+            f"the README's {name} is run by none of its commands (each is skipped or none names it): "
+            "name it in a command that runs, or drop the file name to run it as a script"
+        )
+        return
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     run = subprocess.run(
-        [sys.executable, "-c", script], cwd=fresh_copy, env=env, capture_output=True, text=True, timeout=SECONDS_PER_COMMAND, check=False
+        [sys.executable, "-c", block], cwd=fresh_copy, env=env, capture_output=True, text=True, timeout=SECONDS_PER_COMMAND, check=False
     )
-    assert run.returncode == 0, f"{script}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, f"{block}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("command", ALL, ids=[f"block {c.block}: {c.text.split('#')[0].strip()}" for c in ALL])

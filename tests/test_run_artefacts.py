@@ -188,15 +188,16 @@ def test_a_testcase_runs_the_documented_profile_or_the_one_chosen(
 
 
 def test_the_bench_measures_peak_memory_at_two_sizes_in_fresh_processes() -> None:
-    from shardkit._cli.bench import BenchSettings, _memory
+    from shardkit._bench.memory import measure_memory
+    from shardkit._bench.settings import BenchSettings
 
-    figures = _memory(BenchSettings(seed=1, memory_examples=(10, 30), memory_steps=20))
+    figures = measure_memory(BenchSettings(seed=1, memory_examples=(10, 30), memory_steps=20))
     assert isinstance(figures, dict), figures
     assert figures["10"]["peak_rss_mb"] > 10
     assert figures["30"]["peak_rss_mb"] > 10
     assert figures["steps"] == 20
     assert figures["ratio_largest_to_smallest"] == round(figures["30"]["peak_rss_mb"] / figures["10"]["peak_rss_mb"], 2)
-    assert _memory(BenchSettings(memory_examples=(10,))) == "not measured: two sizes are needed to compare, got [10]"
+    assert measure_memory(BenchSettings(memory_examples=(10,))) == "not measured: two sizes are needed to compare, got [10]"
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

@@ -22,7 +22,7 @@ import pytest
 
 from shardkit import machine_for
 from shardkit._cli.main import main
-from shardkit._core.targets import IsolationOptions, short_name, worker_command_of, worker_command_target
+from shardkit._core.targets import IsolationOptions, WorkerCommand, parse_target
 from shardkit._run.replay import replay
 from shardkit._run.runner import fuzz
 from shardkit._transport.worker import live_worker_pids
@@ -62,7 +62,7 @@ def test_a_foreign_worker_that_aborts_is_a_shrunk_failure_and_replays(seed: int,
     assert "--isolate" not in result.rerun_command
     [trace_path] = tmp_path.glob("*.json")
     trace = json.loads(trace_path.read_text())
-    assert worker_command_of(trace["target"]) == command("abort-on-restart")
+    assert parse_target(trace["target"]) == WorkerCommand(command("abort-on-restart"))
     assert trace["isolate"] == IsolationOptions().to_json()
     assert trace_path.name.startswith("standalone-worker-")
 
@@ -74,7 +74,7 @@ def test_a_foreign_worker_that_aborts_is_a_shrunk_failure_and_replays(seed: int,
     assert replayed.failure is not None
     assert replayed.failure.property == "process killed by SIGABRT"
     # Named by the user: another build of the worker (here the same one, unplanted) replays clean.
-    fixed = replay(trace_path, target=worker_command_target(command()))
+    fixed = replay(trace_path, target=WorkerCommand(command()))
     assert fixed.failure is None
     assert live_worker_pids() == []
 
@@ -180,7 +180,7 @@ def test_contract_isolate_reports_a_python_engines_death_as_a_failed_check(capsy
 
 def test_a_suite_names_its_engine_by_worker_command() -> None:
     machine = machine_for(worker_command=command("cancel-keeps-kv"), role="full")
-    assert worker_command_of(machine.target.name) == command("cancel-keeps-kv")
+    assert machine.target.target == WorkerCommand(command("cancel-keeps-kv"))
     assert machine.target.isolation is not None
     machine.target.isolation.close()
     with pytest.raises(UsageError, match="give one of them"):
@@ -192,7 +192,7 @@ def test_a_suite_names_its_engine_by_worker_command() -> None:
 def test_worker_memory_caps_a_foreign_worker(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("import resource, sys\nprint('data limit', resource.getrlimit(resource.RLIMIT_DATA)[0] >> 20)\nsys.exit(3)\n")
-    target = worker_command_target(f"{shlex.quote(sys.executable)} {probe} {{address}}")
+    target = WorkerCommand(f"{shlex.quote(sys.executable)} {probe} {{address}}")
     options = IsolationOptions(worker_memory_mb=321)
     from shardkit._transport.isolation import isolated_target
 
@@ -237,7 +237,7 @@ def test_a_worker_command_whose_program_is_missing_or_exits_says_so(capsys: pyte
     assert "exited with code 1 before serving" in err
 
 
-def test_a_worker_commands_short_name_is_its_program_or_script() -> None:
-    assert short_name(worker_command_target("workers/cpp/build/shard_worker --listen {address}")) == "shard_worker"
-    assert short_name(worker_command_target("python3 tools/my_worker.py --listen {address}")) == "my_worker"
-    assert short_name(worker_command_target("docker run img:tag --listen {address}")) == "docker"
+def test_a_worker_commands_label_is_its_program_or_script() -> None:
+    assert WorkerCommand("workers/cpp/build/shard_worker --listen {address}").label == "shard_worker"
+    assert WorkerCommand("python3 tools/my_worker.py --listen {address}").label == "my_worker"
+    assert WorkerCommand("docker run img:tag --listen {address}").label == "docker"

@@ -207,7 +207,10 @@ def test_two_processes_on_one_machine_and_seed_keep_separate_in_progress_files(t
 def test_the_bench_measures_scale_out_and_reports_it_in_json() -> None:
     """Tiny sizes: this checks the section runs and reports, not the speed-up (measured by
     ``shardkit bench``, never asserted)."""
-    from shardkit._cli.bench import SCALE_OUT_SUITES, BenchSettings, render, run_bench
+    from shardkit._bench.render import render
+    from shardkit._bench.run import run_bench
+    from shardkit._bench.scale_out import SCALE_OUT_SUITES
+    from shardkit._bench.settings import BenchSettings
 
     bench = json.loads(json.dumps(run_bench(BenchSettings(examples=2, steps=3, scale_out_rounds=1), sections=("scale_out",))))
     scale_out = bench["scale_out"]

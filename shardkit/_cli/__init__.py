@@ -1,1 +1,1 @@
-"""The ``shardkit`` command: a thin adapter over the library, and the bench."""
+"""The ``shardkit`` command: a thin adapter over the library (the bench is ``shardkit._bench``)."""

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, for_command, one_line
+from shardkit._core.targets import Target, parse_target
 from shardkit.errors import UsageError
 
 __all__ = ["campaign_command"]
@@ -45,8 +46,9 @@ def campaign_command(args: argparse.Namespace) -> int:
             check_output_file("campaign", option, path, example)
     write_html = _html_writer() if args.html is not None else None
     # An unknown target is a usage error here, once, not one per worker.
-    target = resolve_target(args.target)
-    command = _command_line(options, target.name, workers, args.minutes, seed)
+    target = parse_target(args.target)
+    resolve_target(target)
+    command = _command_line(options, target, workers, args.minutes, seed)
     print(command, flush=True)
 
     tally = Tally(workers)
@@ -89,14 +91,14 @@ def campaign_command(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
-def _command_line(options: Any, target: str, workers: int, minutes: float, seed: int) -> str:
+def _command_line(options: Any, target: Target, workers: int, minutes: float, seed: int) -> str:
     """The campaign's own command, with the seed: what it ran can be run again (the rounds a
     time limit allows vary with the machine; each round's seed does not)."""
     fuzz_line = options.command(target, seed, None, None)
-    fuzz_start = f"shardkit fuzz {shlex.quote(target)} --seed {seed}"
+    fuzz_start = f"shardkit fuzz {shlex.quote(target.name)} --seed {seed}"
     assert fuzz_line.startswith(fuzz_start)
     fuzz_options = fuzz_line[len(fuzz_start) :]
-    return f"shardkit campaign {shlex.quote(target)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}"
+    return f"shardkit campaign {shlex.quote(target.name)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}"
 
 
 def _html_writer() -> Any:

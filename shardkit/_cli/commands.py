@@ -1,37 +1,31 @@
-"""``shardkit replay``, ``contract``, ``bench`` and ``serve``: each parses nothing itself and
-hands its checked options to the library."""
+"""``shardkit replay``, ``contract`` and ``serve``: each parses nothing itself and hands its
+checked options to the library (``shardkit bench`` is ``shardkit._cli.bench``)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
-import importlib
-import json
 import os
 import resource
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command
 from shardkit._core.targets import (
     IsolationOptions,
+    RemoteAddress,
     ResolvedTarget,
+    Target,
+    WorkerCommand,
     check_step_timeout,
-    display_name,
-    is_remote_address,
-    worker_command_target,
+    parse_target,
 )
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import ContractViolation, UsageError
 
-if TYPE_CHECKING:
-    from shardkit._cli.bench import BenchSettings
-
-__all__ = ["bench_command", "contract_command", "replay_command", "serve_command"]
+__all__ = ["contract_command", "replay_command", "serve_command"]
 
 
 def replay_command(args: argparse.Namespace) -> int:
@@ -43,13 +37,14 @@ def replay_command(args: argparse.Namespace) -> int:
     with for_command("replay"):
         check_step_timeout(args.step_timeout)
     check_isolation_options("replay", args, args.engine)
-    engine: str | ResolvedTarget | None = args.engine
+    named = parse_target(args.engine) if args.engine is not None else None
+    engine: Target | ResolvedTarget | None = named
     if args.worker_command is not None:
-        engine = worker_command_target(args.worker_command)
+        engine = WorkerCommand(args.worker_command)
     isolate: bool | IsolationOptions | None = args.isolate
-    if args.engine is not None and is_remote_address(args.engine):
+    if isinstance(named, RemoteAddress):
         if args.step_timeout is not None:
-            engine = target_with_options(args.engine, step_timeout=args.step_timeout)
+            engine = target_with_options(named, step_timeout=args.step_timeout)
     elif args.step_timeout is not None or args.worker_memory is not None:
         recorded = read_trace(args.trace).isolation
         if args.worker_command is None and (args.isolate is False or (args.isolate is None and recorded is None)):
@@ -100,49 +95,6 @@ def replay_command(args: argparse.Namespace) -> int:
     return EXIT_FAILURE
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    from shardkit._cli.bench import render, run_bench
-
-    planted = None if args.planted == "none" else args.planted
-    if planted is not None:
-        # Checked before minutes of measuring: a mistyped module is a usage error, not a skipped row.
-        try:
-            module = importlib.import_module(planted)
-        except ImportError as error:
-            message = f"shardkit bench: --planted {planted!r} cannot be imported ({error}); name a module with PLANTED, or 'none'"
-            raise UsageError(message) from None
-        if not isinstance(getattr(module, "PLANTED", None), tuple):
-            message = (
-                f"shardkit bench: --planted {planted!r} has no PLANTED tuple of planted-bug engines; or pass 'none'"
-            )
-            raise UsageError(message)
-    figures = run_bench(bench_settings(args, planted))
-    print(json.dumps(figures, indent=2) if args.json else render(figures))
-    return EXIT_OK
-
-
-def bench_settings(args: argparse.Namespace, planted: str | None) -> BenchSettings:
-    """The settings ``shardkit bench`` measures with: ``--quick``'s sizes or the full ones, then
-    each size given on the command line, which ``--quick`` never overrides."""
-    from shardkit._cli.bench import QUICK, BenchSettings
-
-    base = QUICK if args.quick else BenchSettings()
-    given = {
-        "examples": args.examples,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "planted_seeds": args.planted_seeds,
-    }
-    settings = dataclasses.replace(base, seed=args.seed, planted_module=planted, profile=args.profile)
-    settings = dataclasses.replace(settings, **{name: value for name, value in given.items() if value is not None})
-    if args.memory:
-        return dataclasses.replace(settings, memory_examples=(300, 3000), memory_steps=100)
-    # The peak at the run's own size and five times it: flat is the aim.
-    return dataclasses.replace(
-        settings, memory_examples=(settings.examples, 5 * settings.examples), memory_steps=settings.steps
-    )
-
-
 def contract_command(args: argparse.Namespace) -> int:
     from shardkit import assert_shard_engine_contract
     from shardkit._transport.isolation import target_with_options
@@ -154,7 +106,7 @@ def contract_command(args: argparse.Namespace) -> int:
         raise UsageError(
             "shardkit contract: name the engine: a target (my_pkg.engine:make_engine) or --worker-command CMD"
         )
-    named = worker_command_target(args.worker_command) if args.worker_command is not None else args.target
+    named = WorkerCommand(args.worker_command) if args.worker_command is not None else parse_target(args.target)
     # In worker processes (--isolate, --worker-command), a crash is a failed check, not the end of the run.
     target = target_with_options(
         named, isolate=args.isolate, step_timeout=args.step_timeout, worker_memory_mb=args.worker_memory
@@ -168,7 +120,7 @@ def contract_command(args: argparse.Namespace) -> int:
         if target.isolation is not None:
             target.isolation.close()
     print(
-        f"{display_name(target.name)}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else "")
+        f"{target.target.shown}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else "")
     )
     for reason in skipped:
         print(f"  skipped {reason}")

@@ -8,11 +8,12 @@ import random
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
 from shardkit._cli.paths import check_out_folder, check_output_file
-from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, worker_command_target
+from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, Target, WorkerCommand, parse_target
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import UsageError
@@ -54,22 +55,26 @@ def fuzz_command(args: argparse.Namespace) -> int:
             message = f"shardkit fuzz: --html {args.html} is the --report file too; name each its own file, e.g. --report report.json --html report.html"
             raise UsageError(message)
     check_isolation_options("fuzz", args, args.target)
+    target: Target
     if args.worker_command is not None:
-        name = worker_command_target(args.worker_command)
+        target = WorkerCommand(args.worker_command)  # checked by check_isolation_options
     else:
-        args.target = DEFAULT_TARGET if args.target is None else args.target
-        name = resolve_target(args.target).name
+        target = parse_target(DEFAULT_TARGET if args.target is None else args.target)
+        resolve_target(target)  # an unknown target is a usage error before the run's line is printed
     isolation = None
     if args.isolate or args.worker_command is not None:
         timeout = IsolationOptions().step_timeout if args.step_timeout is None else args.step_timeout
         isolation = IsolationOptions(timeout, args.worker_memory)
     # The whole command at once, as the summary's rerun line will print it: a run cut short
     # (a killed CI job) can be rerun from this line alone.
-    print(options.command(name, seed, args.reference, isolation), flush=True)
+    reference = parse_target(args.reference) if args.reference is not None else None
+    print(options.command(target, seed, reference, isolation), flush=True)
     args.in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
-        result = fuzz(args.target, options, seed=seed, out=args.out, progress=progress)
+        # The typed target names the engine; the options must not name it a second time.
+        run_options = replace(options, worker_command=None)
+        result = fuzz(target, run_options, seed=seed, out=args.out, progress=progress)
     finally:
         if progress is not None:
             progress.clear()

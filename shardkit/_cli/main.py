@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 # Imports stay light here: `shardkit serve --worker` starts through this module, once per
 # worker process, and should not pay for Hypothesis; each command imports what it runs.
+from shardkit._cli.bench import bench_command
 from shardkit._cli.campaign import campaign_command
-from shardkit._cli.commands import bench_command, contract_command, replay_command, serve_command
+from shardkit._cli.commands import contract_command, replay_command, serve_command
 from shardkit._cli.fuzz import fuzz_command, left_behind
 from shardkit._cli.parser import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_USAGE, build_parser, one_line
 from shardkit._cli.report import report_command

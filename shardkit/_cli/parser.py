@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_CLOSED, EXIT_USAGE
-from shardkit._core.targets import DEFAULT_TARGET, is_remote_address, worker_command_argv
+from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, parse_target, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
 from shardkit.contract import FAULT_KINDS, ROLES
@@ -28,10 +28,6 @@ __all__ = [
     "for_command",
     "one_line",
 ]
-
-#: Seeds at which ``shardkit bench`` fuzzes each planted engine (a found-at-one-seed is luck).
-BENCH_PLANTED_SEEDS = 5
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -191,7 +187,7 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: str 
     isolation_refused = (args.isolate is False if command == "replay" else not args.isolate) and worker_command is None
     if args.worker_memory is not None and isolation_refused:
         raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate or --worker-command")
-    remote = target is not None and is_remote_address(target)
+    remote = target is not None and isinstance(parse_target(target), RemoteAddress)
     if args.isolate and remote:
         message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
         raise UsageError(message)
@@ -201,6 +197,7 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: str 
 
 
 def build_parser() -> _Parser:
+    from shardkit._bench.settings import BENCH_PLANTED_SEEDS
     from shardkit._machine.parallel_rules import MAX_CONCURRENCY
     from shardkit._run.options import FuzzOptions
     from shardkit._run.replay import DEFAULT_REPLAY_RUNS

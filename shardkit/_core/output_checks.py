@@ -18,7 +18,7 @@ from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
 from shardkit._core.steps import Action, row_codes_of
-from shardkit._core.targets import ResolvedTarget, passes_through, short_name
+from shardkit._core.targets import ResolvedTarget, passes_through
 from shardkit._core.twins import (
     EAGER_TOKENS,
     ORACLE_PATHS,
@@ -180,7 +180,7 @@ class OutputChecks(StepContext):
             else:
                 group.append((path, answer))
         after = f"after history {list(history)}"
-        twins = f"fresh twins ({short_name(self.reference.name)}, layers {self._twin_layers})"
+        twins = f"fresh twins ({self.reference.target.label}, layers {self._twin_layers})"
         if len(groups) == 1:
             expected = groups[0][0][1]
             # Strict, a near tie may not flip; but an answer a twin of the same engine gave is not wrong.

@@ -1,14 +1,21 @@
-"""Engine targets in this process: ``module.path:attr`` or ``path/to/file.py:attr`` naming a
-zero-argument callable that returns a fresh, unloaded ``ShardEngine``.
+"""Engine targets: what names the engines of a run, told apart once, into three types.
 
+- ``PythonTarget``: Python code in this process, ``module.path:attr`` or ``path/to/file.py:attr``
+  naming a zero-argument callable that returns a fresh, unloaded ``ShardEngine``, or that
+  callable itself;
+- ``RemoteAddress``: an engine server, ``grpc://HOST:PORT`` or ``unix:PATH``;
+- ``WorkerCommand``: a command, in any language, that serves contract v1 on the address the kit
+  puts in its ``{address}`` (``--worker-command``).
+
+``parse_target`` is the one place a target's text is read; everything below the entry points
+(the command line, ``fuzz``, ``machine_for``, a trace being replayed) holds one of the types.
 Also what the driver, the runner and the trace know about a target whose engines live in
-another process, without importing the transport (or gRPC): how an address is told from
-a Python target (``is_remote_address``), how a foreign worker's command is named as a
-target (``worker_command_target``, ``worker_command_of``), what a guard lets pass (``passes_through``: Ctrl-C
-and ``shardkit.errors.EngineLost``, a lost server ending the run), and what an isolated
-target's worker process is asked and answers (``Isolation``, ``IsolationOptions``,
-``ProcessDeath``). Turning an address into engines, and isolating a target, is the
-transport's: ``shardkit._transport.resolve.resolve_target`` and ``shardkit._transport.isolation``.
+another process, without importing the transport (or gRPC): what a guard lets pass
+(``passes_through``: Ctrl-C and ``shardkit.errors.EngineLost``, a lost server ending the run),
+and what an isolated target's worker process is asked and answers (``Isolation``,
+``IsolationOptions``, ``ProcessDeath``). Turning an address into engines, and isolating a
+target, is the transport's: ``shardkit._transport.resolve.resolve_target`` and
+``shardkit._transport.isolation``.
 """
 
 from __future__ import annotations
@@ -35,19 +42,20 @@ __all__ = [
     "Isolation",
     "IsolationOptions",
     "ProcessDeath",
+    "PythonTarget",
+    "RemoteAddress",
     "ResolvedTarget",
+    "Target",
+    "WorkerCommand",
     "check_seconds",
     "check_step_timeout",
     "describe_exception",
-    "display_name",
+    "engine_target",
     "import_target",
     "is_loopback",
-    "is_remote_address",
+    "parse_target",
     "passes_through",
-    "short_name",
     "worker_command_argv",
-    "worker_command_of",
-    "worker_command_target",
 ]
 
 EngineFactory = Callable[[], ShardEngine]
@@ -82,11 +90,6 @@ def check_step_timeout(value: float | None) -> None:
         raise UsageError(message)
 
 
-def is_remote_address(target: str) -> bool:
-    """Whether the target string ``target`` names an engine server (``grpc://…``, ``unix:…``)."""
-    return target.startswith(REMOTE_PREFIXES)
-
-
 def worker_command_argv(command: str) -> list[str]:
     """The words of a worker command (``--worker-command``), checked: it must split as a shell
     would split it and name the address the kit gives each worker (``{address}``).
@@ -109,17 +112,135 @@ def worker_command_argv(command: str) -> list[str]:
     return words
 
 
-def worker_command_target(command: str) -> str:
-    """The target name of the engines a foreign worker command serves (checked first)."""
-    worker_command_argv(command)
-    return _WORKER_COMMAND_PREFIX + command
+@dataclass(frozen=True)
+class PythonTarget:
+    """Engines built in this process by Python code: ``code`` is ``package.module:factory``,
+    ``path/to/file.py:factory``, or the factory itself."""
+
+    code: str | EngineFactory
+
+    @property
+    def name(self) -> str:
+        """The name printed and recorded: the text as given, or a factory's ``module:QualName``."""
+        if isinstance(self.code, str):
+            return self.code
+        return f"{getattr(self.code, '__module__', '?')}:{getattr(self.code, '__qualname__', repr(self.code))}"
+
+    @property
+    def label(self) -> str:
+        """For labels and file names: the attribute of ``module:attr``."""
+        return self.name.rpartition(":")[2] or self.name
+
+    @property
+    def shown(self) -> str:
+        """As messages print it."""
+        return self.name
 
 
-def worker_command_of(target: object) -> str | None:
-    """The worker command a target name stands for, or None for any other target."""
-    if isinstance(target, str) and target.startswith(_WORKER_COMMAND_PREFIX):
-        return target.removeprefix(_WORKER_COMMAND_PREFIX)
-    return None
+@dataclass(frozen=True)
+class RemoteAddress:
+    """An engine server: ``grpc://HOST:PORT`` or ``unix:PATH``; each engine is a fresh one asked of it."""
+
+    address: str
+
+    @property
+    def on_this_machine(self) -> bool:
+        """A unix socket, or ``grpc://`` to a loopback host (``localhost``, ``127.0.0.0/8``, ``[::1]``)."""
+        if self.address.startswith("unix:"):
+            return True
+        return is_loopback(self.address.removeprefix("grpc://").rpartition(":")[0])
+
+    @property
+    def name(self) -> str:
+        return self.address
+
+    @property
+    def label(self) -> str:
+        return self.address
+
+    @property
+    def shown(self) -> str:
+        return self.address
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """Engines served by processes the kit starts with ``command`` (checked: see
+    ``worker_command_argv``); always isolated."""
+
+    command: str
+
+    def __post_init__(self) -> None:
+        worker_command_argv(self.command)
+
+    @property
+    def argv(self) -> list[str]:
+        return worker_command_argv(self.command)
+
+    @property
+    def name(self) -> str:
+        """As traces record it: ``worker-command:`` and the command as the user gave it."""
+        return _WORKER_COMMAND_PREFIX + self.command
+
+    @property
+    def label(self) -> str:
+        """The program, or the last path it is given (the script an interpreter runs), bare."""
+        words = [word for word in self.command.split() if WORKER_ADDRESS_FIELD not in word]
+        paths = [word for word in words if "/" in word]
+        chosen = paths[-1] if paths else words[0] if words else self.command
+        return chosen.rpartition("/")[2].partition(".")[0] or chosen
+
+    @property
+    def shown(self) -> str:
+        return f"the worker command {self.command!r}"
+
+
+Target = PythonTarget | RemoteAddress | WorkerCommand
+
+
+def parse_target(target: str | EngineFactory | Target | ResolvedTarget) -> Target:
+    """What ``target`` names, told apart once: a ``grpc://`` or ``unix:`` address, a worker
+    command as a trace records it (``worker-command:CMD``), or Python code (any other text, or
+    a callable). A target already typed (or resolved) is returned as it is typed. Nothing is
+    imported or connected to; ``InvalidTarget`` for what names no engine at all."""
+    if isinstance(target, PythonTarget | RemoteAddress | WorkerCommand):
+        return target
+    if isinstance(target, ResolvedTarget):
+        return target.target
+    if isinstance(target, str):
+        if target.startswith(REMOTE_PREFIXES):
+            return RemoteAddress(target)
+        if target.startswith(_WORKER_COMMAND_PREFIX):
+            return WorkerCommand(target.removeprefix(_WORKER_COMMAND_PREFIX))
+        return PythonTarget(target)
+    if callable(target):
+        return PythonTarget(target)
+    message = f"an engine target must be a 'module:attr' string or a callable, got {target!r}"
+    raise InvalidTarget(message)
+
+
+def engine_target(
+    target: str | EngineFactory | Target | ResolvedTarget | None, worker_command: str | WorkerCommand | None
+) -> Target | ResolvedTarget:
+    """The engine a run fuzzes, as an entry point receives it: ``target``, or ``worker_command``
+    (``--worker-command``); exactly one of them. ``UsageError`` names what is missing or wrong."""
+    if worker_command is None:
+        if target is None:
+            message = (
+                "name the engine to fuzz: a target ('package.module:factory') or a worker_command (--worker-command)"
+            )
+            raise UsageError(message)
+        return target if isinstance(target, ResolvedTarget) else parse_target(target)
+    if target is not None:
+        message = (
+            f"worker_command (--worker-command) names the engine, so the target {parse_target(target).name!r} "
+            "cannot be named beside it: give one of them"
+        )
+        raise UsageError(message)
+    try:
+        return worker_command if isinstance(worker_command, WorkerCommand) else WorkerCommand(worker_command)
+    except InvalidTarget as error:
+        raise UsageError(str(error)) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -227,15 +348,20 @@ class Isolation(Protocol):
 
 @dataclass(frozen=True)
 class ResolvedTarget:
-    """A factory that checks what it builds, and the name to print and record.
+    """A factory that checks what it builds, and the target it was resolved from (whose
+    ``name`` is printed and recorded).
 
     ``isolation`` is set when every engine it builds lives in a child process
     (``shardkit._transport.isolation.isolated_target``); a target naming an engine server
     comes from ``shardkit._transport.client.remote_target``."""
 
-    name: str
+    target: Target
     build: EngineFactory
     isolation: Isolation | None = None
+
+    @property
+    def name(self) -> str:
+        return self.target.name
 
     def __call__(self) -> ShardEngine:
         try:
@@ -290,49 +416,14 @@ class ResolvedTarget:
             raise InvalidTarget(message) from error
 
 
-def short_name(target_name: str) -> str:
-    """A target's name for labels and file names: the attribute of ``module:attr``, an address
-    whole, a worker command's program without its folder."""
-    if is_remote_address(target_name):
-        return target_name
-    command = worker_command_of(target_name)
-    if command is not None:
-        # The program, or the last path it is given (the script an interpreter runs), bare.
-        words = [word for word in command.split() if WORKER_ADDRESS_FIELD not in word]
-        paths = [word for word in words if "/" in word]
-        chosen = paths[-1] if paths else words[0] if words else command
-        return chosen.rpartition("/")[2].partition(".")[0] or chosen
-    return target_name.rpartition(":")[2] or target_name
-
-
-def display_name(target_name: str) -> str:
-    """A target's name as messages print it: ``worker command '…'`` for a worker command."""
-    command = worker_command_of(target_name)
-    return f"the worker command {command!r}" if command is not None else target_name
-
-
-def import_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
-    """Turn a ``module:attr`` or ``file.py:attr`` string, or a factory, into a checked
-    ``ResolvedTarget`` whose engines are built in this process.
-
-    An address (``grpc://``, ``unix:``) is refused: it names no Python code to import; the
-    transport's ``resolve_target`` connects to it."""
-    if isinstance(target, ResolvedTarget):
-        return target
-    if isinstance(target, str) and is_remote_address(target):
-        message = (
-            f"engine target {target!r} names an engine server, not Python code to import; "
-            "resolve it with shardkit._transport.resolve.resolve_target, which connects to it"
-        )
-        raise InvalidTarget(message)
-    if not isinstance(target, str):
-        if not callable(target):
-            message = f"an engine target must be a 'module:attr' string or a callable, got {target!r}"
-            raise InvalidTarget(message)
-        name = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
-        return ResolvedTarget(name, target)
-    factory = import_named(target, "engine target", "'package.module:factory' or 'path/to/file.py:factory'")
+def import_target(target: PythonTarget) -> ResolvedTarget:
+    """Turn Python code into a checked ``ResolvedTarget`` whose engines are built in this process.
+    An address or a worker command names no Python code to import: the transport's
+    ``resolve_target`` connects to the one and isolation starts the other."""
+    if not isinstance(target.code, str):
+        return ResolvedTarget(target, target.code)
+    factory = import_named(target.code, "engine target", "'package.module:factory' or 'path/to/file.py:factory'")
     if not callable(factory):
-        message = f"engine target {target!r} names a {type(factory).__name__}, which is not callable"
+        message = f"engine target {target.code!r} names a {type(factory).__name__}, which is not callable"
         raise InvalidTarget(message)
     return ResolvedTarget(target, factory)

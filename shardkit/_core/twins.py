@@ -43,7 +43,7 @@ from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload
 from shardkit._core.model import StepRequest
 from shardkit._core.outcomes import show
 from shardkit._core.steps import Action, build_request, step_action
-from shardkit._core.targets import short_name
+from shardkit._core.targets import ResolvedTarget
 from shardkit.contract import (
     BoundaryBundle,
     EngineCapabilities,
@@ -141,8 +141,10 @@ class _Stage:
 
 
 def _engine_name(build: Callable[[], ShardEngine]) -> str:
-    name = getattr(build, "name", None) or getattr(build, "__qualname__", "engine")
-    return short_name(str(name))
+    if isinstance(build, ResolvedTarget):
+        return build.target.label
+    name = str(getattr(build, "__qualname__", "engine"))
+    return name.rpartition(":")[2] or name
 
 
 def _load_stage(build: Callable[[], ShardEngine], request: LoadRequest, start: int, end: int) -> _Stage:

@@ -18,7 +18,7 @@ from typing import Any
 
 from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, short_name, worker_command_target
+from shardkit._core.targets import IsolationOptions, PythonTarget, ResolvedTarget, Target
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
 from shardkit._machine.state_machine import (
     FailureSink,
@@ -31,7 +31,7 @@ from shardkit._machine.state_machine import (
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role
-from shardkit.errors import InvalidTarget, ShardkitError, UsageError
+from shardkit.errors import ShardkitError, UsageError
 
 __all__ = ["build_machine", "loadable_roles", "parse_faults", "roles_for"]
 
@@ -75,12 +75,12 @@ def parse_faults(faults: bool | str | Iterable[str]) -> frozenset[str]:
 
 
 def build_machine(
-    target_or_factory: str | EngineFactory | ResolvedTarget | None = None,
+    target: Target | ResolvedTarget,
     *,
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
-    reference: str | EngineFactory | ResolvedTarget | None = None,
+    reference: Target | ResolvedTarget | None = None,
     model: Callable[[], ReferenceModel] | None = None,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
@@ -90,7 +90,6 @@ def build_machine(
     suite_runner: SuiteRunner | None = None,
     concurrency: int = 1,
     fuzzer_failures: FailureSink | None = None,
-    worker_command: str | None = None,
 ) -> type[ShardMachine]:
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
@@ -107,11 +106,9 @@ def build_machine(
     each example that draws it. ``suite_runner`` is what the machine's pytest ``TestCase``
     runs and ``fuzzer_failures`` what its failures become when a fuzzer such as HypoFuzz
     drives it directly (``machine_for`` sets both; see ``ShardMachine``).
-    ``worker_command`` names the engine instead of ``target_or_factory``: a command that
-    serves contract v1 on the address the kit puts in its ``{address}``, run as isolated
-    workers (docs/any-language.md).
+    ``target`` and ``reference`` come typed from the entry point that read them
+    (``shardkit._core.targets.engine_target`` and ``parse_target``).
     """
-    target_or_factory = engine_target(target_or_factory, worker_command)
     if not (isinstance(concurrency, int) and 1 <= concurrency <= MAX_CONCURRENCY):
         message = f"concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
         raise UsageError(message)
@@ -123,9 +120,7 @@ def build_machine(
     if model is None:
         model = base.model_factory  # an extended machine may bring its own model
     wanted = _wanted_faults(faults, twins, reference)
-    setup = _Setup(
-        target_or_factory, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb, concurrency
-    )
+    setup = _Setup(target, role, faults, twins, reference, isolate, step_timeout, worker_memory_mb, concurrency)
     namespace: dict[str, Any] = {
         "build_options": {
             "role": role,
@@ -152,42 +147,17 @@ def build_machine(
         **(parallel_rules(concurrency, base) if concurrency > 1 else {}),
         "concurrency": concurrency,
     }
-    engine_name = re.sub(r"\W+", "_", short_name(_target_name(target_or_factory))).strip("_")
+    engine_name = re.sub(r"\W+", "_", _class_label(target)).strip("_")
     class_name = name or f"ShardMachine_{engine_name}_{role or 'any'}"
     return type(class_name, (base,), namespace)
 
 
-def engine_target(
-    target_or_factory: str | EngineFactory | ResolvedTarget | None, worker_command: str | None
-) -> str | EngineFactory | ResolvedTarget:
-    """The engine a run fuzzes: ``target_or_factory``, or the target of ``worker_command``;
-    exactly one of them."""
-    if worker_command is None:
-        if target_or_factory is None:
-            message = (
-                "name the engine to fuzz: a target ('package.module:factory') or a worker_command (--worker-command)"
-            )
-            raise UsageError(message)
-        return target_or_factory
-    if target_or_factory is not None:
-        message = (
-            f"worker_command (--worker-command) names the engine, so the target {_target_name(target_or_factory)!r} "
-            "cannot be named beside it: give one of them"
-        )
-        raise UsageError(message)
-    try:
-        return worker_command_target(worker_command)
-    except InvalidTarget as error:
-        raise UsageError(str(error)) from None
-
-
-def _target_name(target_or_factory: str | EngineFactory | ResolvedTarget) -> str:
-    """The target's name without importing or building anything."""
-    if isinstance(target_or_factory, ResolvedTarget):
-        return target_or_factory.name
-    if isinstance(target_or_factory, str):
-        return target_or_factory
-    return getattr(target_or_factory, "__qualname__", type(target_or_factory).__qualname__)
+def _class_label(target: Target | ResolvedTarget) -> str:
+    """The engine's part of the machine class's name: a factory's ``__qualname__``, else the target's label."""
+    typed = target.target if isinstance(target, ResolvedTarget) else target
+    if isinstance(typed, PythonTarget) and not isinstance(typed.code, str):
+        return str(getattr(typed.code, "__qualname__", type(typed.code).__qualname__))
+    return typed.label
 
 
 def _wanted_faults(faults: bool | str | Iterable[str], twins: bool, reference: object) -> frozenset[str]:
@@ -219,17 +189,17 @@ class _Setup:
 
     def __init__(
         self,
-        target_or_factory: str | EngineFactory | ResolvedTarget,
+        target: Target | ResolvedTarget,
         role: Role | None,
         faults: bool | str | Iterable[str],
         twins: bool,
-        reference: str | EngineFactory | ResolvedTarget | None,
+        reference: Target | ResolvedTarget | None,
         isolate: bool | IsolationOptions,
         step_timeout: float | None,
         worker_memory_mb: int | None,
         concurrency: int,
     ) -> None:
-        self.target_or_factory, self.role, self.faults, self.twins = target_or_factory, role, faults, twins
+        self.target, self.role, self.faults, self.twins = target, role, faults, twins
         self.reference, self.isolate = reference, isolate
         self.step_timeout, self.worker_memory_mb = step_timeout, worker_memory_mb
         self.concurrency = concurrency
@@ -244,7 +214,7 @@ class _Setup:
 
     def _prepare(self) -> Mapping[str, Any]:
         target = target_with_options(
-            self.target_or_factory,
+            self.target,
             isolate=self.isolate,
             step_timeout=self.step_timeout,
             worker_memory_mb=self.worker_memory_mb,
@@ -262,7 +232,7 @@ class _Setup:
                 raise ShardkitError(message)
             reference = resolve_target(self.reference) if self.reference is not None else None
         except BaseException:
-            if target.isolation is not None and target is not self.target_or_factory:
+            if target.isolation is not None and target is not self.target:
                 target.isolation.close()  # this call started its workers: do not leave them running
             raise
         return MappingProxyType(

@@ -25,11 +25,13 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 __all__ = [
+    "DeclaredRule",
     "ShrinkBudgetSpent",
     "deterministic_hypothesis",
     "integer_range",
     "local_constants_hook_available",
     "mark_as_state_machine_test",
+    "rules_and_initializers",
     "stop_hypothesis",
 ]
 
@@ -152,3 +154,32 @@ def mark_as_state_machine_test(run_test: Callable[..., object], fuzzed_machine: 
     setattr(run_test, "is_hypothesis_test", True)  # noqa: B010 - the attribute Hypothesis reads
     if fuzzed_machine is not None:
         setattr(run_test, "_hypothesis_state_machine_class", fuzzed_machine)  # noqa: B010
+
+
+#: One ``@rule`` or ``@initialize`` of a state machine as its class declares it: the method's
+#: name, its function (undecorated), and what draws each of its arguments, by argument name.
+DeclaredRule = tuple[str, Callable[..., Any], dict[str, Any]]
+
+
+def rules_and_initializers(machine: type) -> tuple[tuple[DeclaredRule, ...], tuple[DeclaredRule, ...]]:
+    """The rules and the initializers of ``machine`` (its own and those it inherits), each in
+    the order Hypothesis gathers them (by attribute name): what a copy of the machine's shape
+    needs, such as ``shardkit bench``'s bare machine, which draws what the kit's draws.
+    Hypothesis keeps each as a ``Rule`` (``function``, ``arguments``) under a marker attribute
+    of the decorated method, and gathers them with a class method that is not public and was
+    renamed (``rules()`` and ``initialize_rules()``, then ``setup_state()``); the markers and
+    the two fields are the same in every release the kit allows, so they are read here."""
+    import inspect
+
+    from hypothesis.stateful import INITIALIZE_RULE_MARKER, RULE_MARKER
+
+    def declared(marker: str) -> tuple[DeclaredRule, ...]:
+        found = []
+        for _, member in inspect.getmembers(machine):
+            declaration = getattr(member, marker, None)
+            if declaration is not None:
+                function = declaration.function
+                found.append((function.__name__, function, dict(declaration.arguments)))
+        return tuple(found)
+
+    return declared(RULE_MARKER), declared(INITIALIZE_RULE_MARKER)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardkit._core.outcomes import StepRecord, Violation
-from shardkit._core.targets import IsolationOptions
+from shardkit._core.targets import IsolationOptions, parse_target
 from shardkit._machine.build import parse_faults
 from shardkit._planted.minimal import Step, actions, load_request_for
 from shardkit._run.trace import trace_document
@@ -49,12 +49,12 @@ def minimal_trace(
     name = getattr(engine, "__name__", target)
     violation = Violation(getattr(engine, "PROPERTY"), f"{name}.MINIMAL: {getattr(engine, 'BUG', '')}")  # noqa: B009
     return trace_document(
-        target=target,
+        target=parse_target(target),
         load_request=request,
         faults=parse_faults(getattr(engine, "FAULTS", "all")),
         records=records,
         violation=violation,
         seed=None,
-        reference=reference,
+        reference=parse_target(reference) if reference is not None else None,
         isolation=isolation,
     )

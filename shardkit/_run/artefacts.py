@@ -25,7 +25,6 @@ from hypothesis import settings
 from hypothesis.database import ExampleDatabase
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import short_name
 from shardkit._machine.profiles import time_independent
 from shardkit._machine.state_machine import FailureReport, ShardMachine
 from shardkit._run.regression import regression_test_source
@@ -105,7 +104,7 @@ class Artefacts:
         self._kept: tuple[int, str, Path, bool] | None = None
 
     def _make_label(self) -> str:
-        engine = _slug(short_name(self.machine.target.name)) or "engine"
+        engine = _slug(self.machine.target.target.label) or "engine"
         run = f"seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
         return f"{engine}-{self.machine.role or 'any'}-{run}-{_digest(machine_identity(self.machine))}"
 
@@ -213,14 +212,14 @@ class Artefacts:
 
     def _document(self, failure: FailureReport) -> dict[str, Any]:
         return trace_document(
-            target=self.machine.target.name,
+            target=self.machine.target.target,
             load_request=failure.load_request,
             faults=failure.faults,
             records=failure.records,
             violation=failure.violation,
             seed=self.seed,
             twins=self.machine.use_twins,
-            reference=self.machine.reference.name if self.machine.reference is not None else None,
+            reference=self.machine.reference.target if self.machine.reference is not None else None,
             isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
             machine=self.machine,
         )

@@ -14,9 +14,11 @@ from shardkit._core.targets import (
     EngineFactory,
     IsolationOptions,
     ResolvedTarget,
+    Target,
+    WorkerCommand,
     check_step_timeout,
+    parse_target,
     worker_command_argv,
-    worker_command_of,
 )
 from shardkit._machine.build import parse_faults
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY
@@ -146,28 +148,29 @@ class FuzzOptions:
         return replace(options if options is not None else cls(), **changes)
 
     def machine_options(self) -> dict[str, Any]:
-        """The keyword arguments ``machine_for`` takes from these options."""
+        """The keyword arguments ``build_machine`` takes from these options (the engine itself
+        comes from ``engine_target``, which reads ``worker_command``)."""
+        reference = self.reference
         return {
             "role": self.role,
             "faults": self.faults,
             "twins": self.twins,
-            "reference": self.reference,
+            "reference": reference if reference is None or isinstance(reference, ResolvedTarget) else parse_target(reference),
             "model": self.model,
             "base": self.base,
             "isolate": self.isolate,
             "step_timeout": self.step_timeout,
             "worker_memory_mb": self.worker_memory_mb,
-            "worker_command": self.worker_command,
             "concurrency": self.concurrency,
         }
 
-    def command(self, target: str, seed: int, reference: str | None, isolation: IsolationOptions | None) -> str:
+    def command(self, target: Target, seed: int, reference: Target | None, isolation: IsolationOptions | None) -> str:
         """The ``shardkit fuzz`` command line of this run: the options that differ from the
-        defaults. ``reference`` is the resolved reference engine's name and ``isolation``
-        the isolation the run used, if any."""
+        defaults. ``reference`` is the reference engine's target and ``isolation`` the
+        isolation the run used, if any."""
         defaults = FuzzOptions()
-        command = worker_command_of(target)
-        named = ["--worker-command", shlex.quote(command)] if command is not None else [shlex.quote(target)]
+        command = target.command if isinstance(target, WorkerCommand) else None
+        named = ["--worker-command", shlex.quote(command)] if command is not None else [shlex.quote(target.name)]
         parts = ["shardkit", "fuzz", *named, "--seed", str(seed)]
         if self.role is not None:
             parts += ["--role", self.role]
@@ -182,7 +185,7 @@ class FuzzOptions:
         if self.concurrency != defaults.concurrency:
             parts += ["--concurrency", str(self.concurrency)]
         if reference is not None:
-            parts += ["--reference", shlex.quote(reference)]
+            parts += ["--reference", shlex.quote(reference.name)]
         if isolation is not None:
             parts += isolation.command_options(isolate_flag=command is None)
         elif self.step_timeout is not None:

@@ -35,10 +35,12 @@ from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import (
     EngineFactory,
     IsolationOptions,
+    PythonTarget,
+    RemoteAddress,
     ResolvedTarget,
-    display_name,
-    is_remote_address,
-    worker_command_of,
+    Target,
+    WorkerCommand,
+    parse_target,
 )
 from shardkit._parallel.runs import replay_runs
 from shardkit._public import settle
@@ -173,7 +175,7 @@ class PreparedReplay:
 
 def replay(
     trace_path: str | Path,
-    target: str | EngineFactory | None = None,
+    target: str | EngineFactory | Target | None = None,
     *,
     reference: str | EngineFactory | _Recorded | None = RECORDED,
     model: Callable[[], ReferenceModel] | None = None,
@@ -221,7 +223,7 @@ def replay(
 
 def prepare_replay(
     trace_path: str | Path,
-    target: str | EngineFactory | None = None,
+    target: str | EngineFactory | Target | None = None,
     *,
     reference: str | EngineFactory | _Recorded | None = RECORDED,
     model: Callable[[], ReferenceModel] | None = None,
@@ -289,7 +291,7 @@ def prepare_replay(
             message = f"{trace.path}: the recorded model {trace.model!r} is not callable"
             raise TraceFormatError(message)
         model = built_model
-    chosen: str | EngineFactory
+    chosen: str | EngineFactory | Target
     if engine_admitted is not None:
         # Imports it from the checked files; refuses a name reaching out.
         built = resolve_admitted(trace, engine_admitted)
@@ -351,13 +353,13 @@ def _older_regression_test(caller: types.FrameType | None) -> str | None:
     return str(names.get("__file__") or names.get("__name__") or "the caller")
 
 
-def _in_process_factory(target: str | EngineFactory) -> object:
+def _in_process_factory(target: str | EngineFactory | Target) -> object:
     """What a named engine target builds in this process (importing it, as building it
     will), or None when its engines live in another process (an address, a worker
     command, an isolated ``ResolvedTarget``)."""
     if isinstance(target, ResolvedTarget):
         return target.build if target.isolation is None and not _remote(target) else None
-    if isinstance(target, str) and (is_remote_address(target) or worker_command_of(target) is not None):
+    if not isinstance(parse_target(target), PythonTarget):
         return None
     return resolve_target(target).build
 
@@ -371,7 +373,7 @@ def _kills_its_process(factory: object) -> bool:
 
 def _isolation_of_a_dying_engine(
     trace: Trace,
-    chosen: str | EngineFactory,
+    chosen: str | EngineFactory | Target,
     built: object,
     isolate: bool | IsolationOptions | None,
     announce: Callable[[str], object] | None,
@@ -382,8 +384,8 @@ def _isolation_of_a_dying_engine(
     if not _kills_its_process(built):
         return isolate
     named = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
-    name = display_name(
-        named
+    name = (
+        parse_target(named).shown
         if isinstance(named, str)
         else f"{getattr(built, '__module__', '?')}:{getattr(built, '__qualname__', '?')}"
     )
@@ -409,9 +411,9 @@ def _isolation_of_a_dying_engine(
     return options
 
 
-def _engine(trace: Trace, chosen: str | EngineFactory, isolate: bool | IsolationOptions | None) -> ResolvedTarget:
-    if isolate is False and worker_command_of(getattr(chosen, "name", chosen)) is not None:
-        message = f"{display_name(str(getattr(chosen, 'name', chosen)))} always runs in worker processes; drop --no-isolate (isolate=False)"
+def _engine(trace: Trace, chosen: str | EngineFactory | Target, isolate: bool | IsolationOptions | None) -> ResolvedTarget:
+    if isolate is False and isinstance(parse_target(chosen), WorkerCommand):
+        message = f"{parse_target(chosen).shown} always runs in worker processes; drop --no-isolate (isolate=False)"
         raise InvalidTarget(message)
     if isinstance(chosen, ResolvedTarget) and _remote(chosen):
         return chosen  # connected by the caller, with the deadline the caller chose
@@ -442,7 +444,7 @@ def _probe_reference(trace: Trace, reference: ResolvedTarget) -> None:
 
 def _describe(
     trace: Trace,
-    target: str | EngineFactory | None,
+    target: str | EngineFactory | Target | None,
     engine: Admitted | None,
     reference: str | EngineFactory | None,
     reference_admitted: Admitted | None,
@@ -453,8 +455,8 @@ def _describe(
     if engine is not None:
         text = f"replaying against {engine.describe()}"
     else:
-        name = target if isinstance(target, str) else resolve_target(target).name if target is not None else "?"
-        text = f"replaying against {display_name(name)} (named by you)"
+        shown = parse_target(target).shown if target is not None else "?"
+        text = f"replaying against {shown} (named by you)"
     if reference_admitted is not None:
         text += f", twins from the reference {reference_admitted.describe()}"
     elif reference is not None:
@@ -470,9 +472,8 @@ def _describe(
     return text
 
 
-def _remote(target: object) -> bool:
-    name = target if isinstance(target, str) else getattr(target, "name", "")
-    return isinstance(name, str) and is_remote_address(name)
+def _remote(target: str | EngineFactory | Target | ResolvedTarget) -> bool:
+    return isinstance(parse_target(target), RemoteAddress)
 
 
 settle(__name__, globals())

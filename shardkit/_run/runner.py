@@ -29,7 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from shardkit._core.driver import StepFailed
 from shardkit._core.native_threads import pinned_native_threads
 from shardkit._core.properties import LABEL_ANCHORS
-from shardkit._core.targets import EngineFactory, ResolvedTarget
+from shardkit._core.targets import EngineFactory, ResolvedTarget, Target, engine_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
@@ -285,7 +285,7 @@ def _search_shorter(
 
 
 def fuzz(
-    target: str | EngineFactory | ResolvedTarget | None = None,
+    target: str | EngineFactory | Target | ResolvedTarget | None = None,
     options: FuzzOptions | None = None,
     *,
     seed: int,
@@ -299,7 +299,7 @@ def fuzz(
     trace and regression test under ``out`` (if given). The worker processes an isolated
     run starts end with it. ``target`` is None when the options name a ``worker_command``."""
     options = FuzzOptions.from_fields(options, changes)
-    machine = build_machine(target, **options.machine_options())
+    machine = build_machine(engine_target(target, options.worker_command), **options.machine_options())
     isolation = machine.target.isolation
     started_workers = isolation is not None and not (
         isinstance(target, ResolvedTarget) and target.isolation is isolation
@@ -325,9 +325,9 @@ def fuzz(
         if started_workers:
             assert isolation is not None
             isolation.close()
-    reference = machine.reference.name if machine.reference is not None else None
+    reference = machine.reference.target if machine.reference is not None else None
     result.rerun_command = options.command(
-        machine.target.name, seed, reference, isolation.options if isolation is not None else None
+        machine.target.target, seed, reference, isolation.options if isolation is not None else None
     )
     return result
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import settings
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target, parse_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.profiles import suite_settings
 from shardkit._machine.state_machine import FailureReport, ShardMachine
@@ -65,12 +65,12 @@ class SuiteOverrides:
 
 
 def machine_for(
-    target_or_factory: str | EngineFactory | ResolvedTarget | None = None,
+    target_or_factory: str | EngineFactory | Target | ResolvedTarget | None = None,
     *,
     role: Role | str | None = None,
     faults: bool | str | Iterable[str] = True,
     twins: bool = True,
-    reference: str | EngineFactory | ResolvedTarget | None = None,
+    reference: str | EngineFactory | Target | ResolvedTarget | None = None,
     model: Callable[[], ReferenceModel] | None = None,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
@@ -100,11 +100,11 @@ def machine_for(
     (docs/any-language.md).
     """
     return build_machine(
-        target_or_factory,
+        engine_target(target_or_factory, worker_command),
         role=role,
         faults=faults,
         twins=twins,
-        reference=reference,
+        reference=reference if reference is None or isinstance(reference, ResolvedTarget) else parse_target(reference),
         model=model,
         base=base,
         name=name,
@@ -114,7 +114,6 @@ def machine_for(
         suite_runner=run_as_test,
         concurrency=concurrency,
         fuzzer_failures=keep_fuzzer_failures,
-        worker_command=worker_command,
     )
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardkit._core.driver import StepRecord, Violation
 from shardkit._core.importing import FILE_MODULE_PREFIX
-from shardkit._core.targets import IsolationOptions, is_remote_address, worker_command_of
+from shardkit._core.targets import IsolationOptions, PythonTarget, Target
 from shardkit._version import __version__
 from shardkit.contract import LoadRequest
 
@@ -58,14 +58,14 @@ TRACE_VERSION = 1
 
 def trace_document(
     *,
-    target: str,
+    target: Target,
     load_request: LoadRequest,
     faults: frozenset[str],
     records: list[StepRecord],
     violation: Violation,
     seed: int | None,
     twins: bool = True,
-    reference: str | None = None,
+    reference: Target | None = None,
     isolation: IsolationOptions | None = None,
     machine: type[ShardMachine] | None = None,
 ) -> dict[str, Any]:
@@ -88,8 +88,8 @@ def trace_document(
         "format": TRACE_FORMAT,
         "version": TRACE_VERSION,
         "shardkit_version": __version__,
-        "target": target,
-        **_located("target", target),
+        "target": target.name,
+        **_located_target("target", target),
         "role": load_request.role,
         "load_request": {
             "model_id": load_request.model_id,
@@ -100,8 +100,8 @@ def trace_document(
         },
         "faults_enabled": sorted(faults),
         "twins": twins,
-        "reference": reference,
-        **(_located("reference", reference) if reference is not None else {}),
+        "reference": reference.name if reference is not None else None,
+        **(_located_target("reference", reference) if reference is not None else {}),
         **machine_fields(machine),
         # The engine ran in a worker process (--isolate): its failure may be a process death.
         "isolate": isolation.to_json() if isolation is not None else None,
@@ -116,15 +116,21 @@ def _located(role: str, name: str) -> dict[str, str]:
     return {f"{role}_{kind}": where for kind, where in code_location(name).items()}
 
 
+def _located_target(role: str, target: Target) -> dict[str, str]:
+    """Where a target's Python code lives; nothing for an address or a worker command."""
+    return _located(role, target.name) if isinstance(target, PythonTarget) else {}
+
+
 def code_location(name: str) -> dict[str, str]:
-    """Where the code a target name points at lives, to find it again from another folder.
+    """Where the code a Python name (``module:attr``, ``file.py:attr``) points at lives, to find
+    it again from another folder.
 
     ``{"file": ABSOLUTE}`` for ``path/to/file.py:attr``, ``{"path": SYS_PATH_ENTRY}`` for a
-    ``module:attr`` whose module is a file on the import path, ``{}`` otherwise (a remote
-    address, a worker command, a bundled shardkit engine, a built-in module). Imports nothing.
+    ``module:attr`` whose module is a file on the import path, ``{}`` otherwise (a bundled
+    shardkit engine, a built-in module). Imports nothing.
     """
     module, colon, attr = name.rpartition(":")
-    if not colon or not module or not attr or is_remote_address(name) or worker_command_of(name) is not None:
+    if not colon or not module or not attr:
         return {}
     if module.endswith(".py"):
         return {"file": str(Path(module).resolve())}

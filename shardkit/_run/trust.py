@@ -41,7 +41,7 @@ piece, apart from the parser below it and the driver above it.
   environment (``.venv2/bin/python``, ``.venv2/bin/pip``: a ``pyvenv.cfg`` in a folder
   above it, as the link or as the file it leads to), whose arguments could make it do
   anything; otherwise the user chooses: ``--trust``, or ``--worker-command CMD``
-  (``target=worker_command_target(CMD)``).
+  (``target=WorkerCommand(CMD)``).
 * **Remote targets connect rather than run code here.** ``unix:PATH`` and ``grpc://``
   on a loopback address (``localhost``, ``127.0.0.0/8``, ``[::1]``) replay as recorded;
   ``grpc://`` to any other host needs ``--trust`` or ``--engine``, so that a trace
@@ -63,7 +63,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import display_name, is_loopback, is_remote_address, worker_command_argv, worker_command_of
+from shardkit._core.targets import PythonTarget, RemoteAddress, WorkerCommand, parse_target
 from shardkit._run.trace import find_module_spec
 from shardkit._run.trace_reader import Trace
 from shardkit._transport.resolve import resolve_target
@@ -113,7 +113,7 @@ class Admitted:
 
     def describe(self) -> str:
         where = f"; code in {self.origin}" if self.origin is not None and str(self.origin) not in self.recorded else ""
-        return f"{display_name(self.recorded)} (recorded in the trace{where})"
+        return f"{parse_target(self.recorded).shown} (recorded in the trace{where})"
 
 
 def _project() -> Path:
@@ -170,11 +170,8 @@ def file_target_outside_project(name: str) -> bool:
     )
 
 
-def _admit_worker_command(trace: Trace, role: str, name: str, command: str, trust: bool) -> Admitted:
-    try:
-        program = worker_command_argv(command)[0]
-    except InvalidTarget as error:
-        raise TraceFormatError(f"{trace.path}: the recorded worker command is not valid: {error}") from None
+def _admit_worker_command(trace: Trace, role: str, name: str, command: WorkerCommand, trust: bool) -> Admitted:
+    program = command.argv[0]
     if trust:
         return Admitted(role, name, name, trusted=True)
     path = Path(program)
@@ -199,7 +196,7 @@ def _admit_worker_command(trace: Trace, role: str, name: str, command: str, trus
             where = f"the program {program!r}, outside the current project (it is {path.resolve()})"
     else:
         return Admitted(role, name, name, origin=path.resolve())
-    message = f"{trace.path} names the worker command {command!r}, which runs {where}; {fixes}"
+    message = f"{trace.path} names the worker command {command.command!r}, which runs {where}; {fixes}"
     raise UntrustedTarget(message)
 
 
@@ -220,11 +217,14 @@ def _untrusted(trace: Trace, role: str, name: str, where: str) -> UntrustedTarge
 
 def admit(trace: Trace, role: str, name: str, trust: bool) -> Admitted:
     """Decide whether replay may build the recorded ``name`` (see the module docstring); imports nothing."""
-    command = worker_command_of(name)
-    if command is not None:
-        return _admit_worker_command(trace, role, name, command, trust)
-    if is_remote_address(name):
-        if not (trust or _local_address(name)):
+    try:
+        target = parse_target(name)  # what the trace recorded, read once
+    except InvalidTarget as error:  # only a worker command is checked as it is read
+        raise TraceFormatError(f"{trace.path}: the recorded worker command is not valid: {error}") from None
+    if isinstance(target, WorkerCommand):
+        return _admit_worker_command(trace, role, name, target, trust)
+    if isinstance(target, RemoteAddress):
+        if not (trust or target.on_this_machine):
             raise _untrusted(trace, role, name, "a server on another machine")
         return Admitted(role, name, name, trusted=trust)
     module, colon, attr = name.rpartition(":")
@@ -295,12 +295,6 @@ def _admit_file(trace: Trace, role: str, name: str, module: str, attr: str, trus
     return Admitted(role, name, f"{origin}:{attr}", origin, trusted=trust)
 
 
-def _local_address(name: str) -> bool:
-    if name.startswith("unix:"):
-        return True
-    return is_loopback(name.removeprefix("grpc://").rpartition(":")[0])
-
-
 def _import_admitted(admitted: Admitted) -> None:
     """Import the admitted module from exactly the files that were checked (nothing for other names)."""
     if not admitted.specs:
@@ -333,14 +327,15 @@ def _import_admitted(admitted: Admitted) -> None:
 def resolve_admitted(trace: Trace, admitted: Admitted) -> object:
     """Import an admitted name and return the object it names, checked to be what its role builds
     (None for a remote address or a worker command, which import nothing)."""
-    if is_remote_address(admitted.name) or worker_command_of(admitted.name) is not None:
+    target = parse_target(admitted.name)
+    if not isinstance(target, PythonTarget):
         return None
     _import_admitted(admitted)
     if admitted.role in ("target", "reference"):
-        built = resolve_target(admitted.name).build
+        built = resolve_target(target).build
     else:
         try:
-            built = resolve_target(admitted.name).build
+            built = resolve_target(target).build
         except InvalidTarget as error:
             message = f"{trace.path}: the recorded {admitted.role} cannot be built: {error}"
             raise TraceFormatError(message) from error
@@ -406,7 +401,7 @@ def named_code(trace: Trace) -> dict[str, str]:
 
 def _code_words(key: str, value: str | None) -> str:
     role, _, kind = key.partition("_")
-    if role == "target" and value is not None and worker_command_of(value) is not None:
+    if role == "target" and value is not None and isinstance(parse_target(value), WorkerCommand):
         return "the worker command"
     what = {"": "", "file": "'s file", "path": "'s import path entry"}[kind]
     return f"the {_ROLE_WORDS[role]}{what}"

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 
-from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, ResolvedTarget, check_seconds
+from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, RemoteAddress, ResolvedTarget, check_seconds
 from shardkit._transport import codec
 from shardkit._version import __version__
 from shardkit.contract import (
@@ -594,11 +594,13 @@ def _lost(error: RemoteEngineError) -> EngineLost:
     return EngineLost(message, address=error.address)
 
 
-def remote_target(address: str, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ResolvedTarget:
+def remote_target(address: str | RemoteAddress, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ResolvedTarget:
     """The engine target ``address``: each call builds a ``RemoteShardEngine`` with a fresh engine.
 
     A server unreachable at the first call is an ``InvalidTarget``; one that goes away
     after serving an engine of this target ends the run with ``EngineLost``."""
+    target = address if isinstance(address, RemoteAddress) else RemoteAddress(address)
+    address = target.address
     parse_address(address)  # refuse a malformed address now, not at the first engine
     served = False
 
@@ -613,4 +615,4 @@ def remote_target(address: str, *, timeout_seconds: float = DEFAULT_TIMEOUT_SECO
         served = True
         return engine
 
-    return ResolvedTarget(address, build)
+    return ResolvedTarget(target, build)

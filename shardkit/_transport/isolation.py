@@ -6,7 +6,7 @@ builds lives in a child ``shardkit serve --worker`` process (see ``worker.py``);
 child dies, misses a call's deadline or answers garbage, the driver asks the isolation
 what happened (``death``) and reports it as an ordinary step failure, and the next engine
 comes from a fresh child. A foreign worker command (``--worker-command``, a target named
-by ``worker_command_target``) is isolated the same way, always: its engines live in the
+a ``WorkerCommand``) is isolated the same way, always: its engines live in the
 processes the command starts. ``target_with_options`` is what the commands call: a target
 resolved, isolated if asked, with the deadline of its calls set.
 
@@ -22,9 +22,12 @@ from shardkit._core.targets import (
     DEFAULT_STEP_TIMEOUT,
     EngineFactory,
     IsolationOptions,
+    PythonTarget,
+    RemoteAddress,
     ResolvedTarget,
-    is_remote_address,
-    worker_command_of,
+    Target,
+    WorkerCommand,
+    parse_target,
 )
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import InvalidTarget
@@ -33,7 +36,7 @@ __all__ = ["isolated_target", "target_with_options"]
 
 
 def isolated_target(
-    target: str | EngineFactory | ResolvedTarget, options: IsolationOptions | None = None
+    target: str | EngineFactory | Target | ResolvedTarget, options: IsolationOptions | None = None
 ) -> ResolvedTarget:
     """``target`` with every engine in a child ``shardkit serve --worker`` process.
 
@@ -41,41 +44,42 @@ def isolated_target(
     ``file.py:attr`` target (a factory defined at module level will do, not a lambda);
     the child sees the parent's ``sys.path``. Needs the ``grpc`` extra.
     """
-    if isinstance(target, str) and worker_command_of(target) is not None:
-        return _in_workers(target, options)
-    resolved = resolve_target(target)
-    if resolved.isolation is not None:
-        if options is not None and options != resolved.isolation.options:
-            message = f"{resolved.name} is already isolated with {resolved.isolation.options}, not {options}"
+    if isinstance(target, ResolvedTarget) and target.isolation is not None:
+        if options is not None and options != target.isolation.options:
+            message = f"{target.name} is already isolated with {target.isolation.options}, not {options}"
             raise ValueError(message)
-        return resolved
-    name = resolved.name
-    if is_remote_address(name):
-        message = f"--isolate runs a Python engine target in a child process; {name} is already out of process"
+        return target
+    typed = parse_target(target)
+    if isinstance(typed, WorkerCommand):
+        return _in_workers(typed, options)
+    if isinstance(typed, RemoteAddress):
+        message = f"--isolate runs a Python engine target in a child process; {typed.address} is already out of process"
         raise InvalidTarget(message)
+    name = typed.name
     if "<" in name or name.startswith("__main__:"):
         message = (
             f"--isolate needs an engine target the worker process can import by name, got {name!r}: "
             "define the factory at module level of an importable module and pass 'module:attr' or 'path/to/file.py:attr'"
         )
         raise InvalidTarget(message)
-    resolve_target(name)  # the child will import it by this name: refuse a name that does not import here
-    return _in_workers(name, options)
+    by_name = PythonTarget(name)
+    resolve_target(by_name)  # the child will import it by this name: refuse a name that does not import here
+    return _in_workers(by_name, options)
 
 
-def _in_workers(name: str, options: IsolationOptions | None) -> ResolvedTarget:
+def _in_workers(target: PythonTarget | WorkerCommand, options: IsolationOptions | None) -> ResolvedTarget:
     try:
         from shardkit._transport.worker import WorkerPool
     except ImportError as error:
-        flag = "--worker-command" if worker_command_of(name) is not None else "--isolate"
+        flag = "--worker-command" if isinstance(target, WorkerCommand) else "--isolate"
         message = f"{flag} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
         raise InvalidTarget(message) from error
-    pool = WorkerPool(name, options or IsolationOptions())
-    return ResolvedTarget(name, pool.new_engine, isolation=pool)
+    pool = WorkerPool(target, options or IsolationOptions())
+    return ResolvedTarget(target, pool.new_engine, isolation=pool)
 
 
 def target_with_options(
-    target: str | EngineFactory | ResolvedTarget,
+    target: str | EngineFactory | Target | ResolvedTarget,
     *,
     isolate: bool | IsolationOptions = False,
     step_timeout: float | None = None,
@@ -87,7 +91,7 @@ def target_with_options(
     one; ``worker_memory_mb`` only to an isolated one. An option that cannot apply is an
     error, never silently ignored. A worker command's target is always isolated.
     """
-    if not isolate and worker_command_of(getattr(target, "name", target)) is not None:
+    if not isolate and isinstance(parse_target(target), WorkerCommand):
         isolate = True
     if isinstance(isolate, IsolationOptions):
         if step_timeout is not None or worker_memory_mb is not None:
@@ -103,9 +107,10 @@ def target_with_options(
     if step_timeout is None:
         return resolve_target(target)
     IsolationOptions(step_timeout)  # validates it
-    if isinstance(target, str) and is_remote_address(target):
+    typed = target if isinstance(target, ResolvedTarget) else parse_target(target)
+    if isinstance(typed, RemoteAddress):
         from shardkit._transport.client import remote_target
 
-        return remote_target(target, timeout_seconds=step_timeout)
+        return remote_target(typed, timeout_seconds=step_timeout)
     message = "step_timeout (--step-timeout) is the deadline of calls to another process: it needs isolate=True (--isolate) or a grpc:// or unix: target"
     raise ValueError(message)

@@ -11,31 +11,43 @@ resolve what it serves.
 
 from __future__ import annotations
 
-from shardkit._core.targets import EngineFactory, ResolvedTarget, import_target, is_remote_address, worker_command_of
+from shardkit._core.targets import (
+    EngineFactory,
+    PythonTarget,
+    RemoteAddress,
+    ResolvedTarget,
+    Target,
+    WorkerCommand,
+    import_target,
+    parse_target,
+)
 from shardkit.errors import InvalidTarget
 
 __all__ = ["resolve_target"]
 
 
-def resolve_target(target: str | EngineFactory | ResolvedTarget) -> ResolvedTarget:
-    """Turn a target string or a factory into a checked ``ResolvedTarget``.
+def resolve_target(target: str | EngineFactory | Target | ResolvedTarget) -> ResolvedTarget:
+    """Turn a target into a checked ``ResolvedTarget`` (text is read by ``parse_target``).
 
-    ``grpc://HOST:PORT`` and ``unix:PATH`` name a remote engine server (the ``grpc`` extra):
-    each call of the target asks the server there for a fresh engine. A worker command's
-    target (``worker_command_target``) is refused: its engines live in processes the kit
-    starts, which is isolation's (``shardkit._transport.isolation.target_with_options``)."""
-    command = worker_command_of(target)
-    if command is not None:
+    A ``RemoteAddress`` names an engine server (the ``grpc`` extra): each call of the target
+    asks the server there for a fresh engine. A ``WorkerCommand`` is refused: its engines live
+    in processes the kit starts, which is isolation's
+    (``shardkit._transport.isolation.target_with_options``)."""
+    if isinstance(target, ResolvedTarget):
+        return target
+    typed = parse_target(target)
+    if isinstance(typed, WorkerCommand):
         message = (
-            f"the worker command {command!r} names only the engine under test (--worker-command, worker_command=), "
+            f"the worker command {typed.command!r} names only the engine under test (--worker-command, worker_command=), "
             "not a reference or a served engine: for those, serve the worker yourself and name its unix: address"
         )
         raise InvalidTarget(message)
-    if isinstance(target, str) and is_remote_address(target):
+    if isinstance(typed, RemoteAddress):
         try:
             from shardkit._transport.client import remote_target
         except ImportError as error:
-            message = f"engine target {target!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
+            message = f"engine target {typed.address!r} needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
             raise InvalidTarget(message) from error
-        return remote_target(target)
-    return import_target(target)
+        return remote_target(typed)
+    assert isinstance(typed, PythonTarget)
+    return import_target(typed)

@@ -53,9 +53,8 @@ from shardkit._core.targets import (
     WORKER_ADDRESS_FIELD,
     IsolationOptions,
     ProcessDeath,
-    display_name,
-    worker_command_argv,
-    worker_command_of,
+    PythonTarget,
+    WorkerCommand,
 )
 from shardkit._transport.client import RemoteShardEngine, close_connection
 from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
@@ -211,12 +210,14 @@ class _Worker:
 class WorkerPool:
     """The ``Isolation`` of one target: builds engines in a child process, explains its deaths."""
 
-    def __init__(self, target: str, options: IsolationOptions) -> None:
+    def __init__(self, target: PythonTarget | WorkerCommand, options: IsolationOptions) -> None:
+        if isinstance(target, PythonTarget) and not isinstance(target.code, str):
+            message = f"a worker process imports its engine target by name; {target.name} is a factory object"
+            raise TypeError(message)
         self.target = target
         self.options = options
-        command = worker_command_of(target)
         #: A foreign worker's command (--worker-command), its address still a field; None for a Python target.
-        self._foreign = worker_command_argv(command) if command is not None else None
+        self._foreign = target.argv if isinstance(target, WorkerCommand) else None
         self._folder = Path(tempfile.mkdtemp(prefix="shardkit-worker-"))
         self._numbers = itertools.count(1)
         self._current: _Worker | None = None
@@ -235,7 +236,7 @@ class WorkerPool:
 
     def __repr__(self) -> str:
         note = f"; {self.fork_note}" if self.fork_note is not None else ""
-        return f"WorkerPool({self.target!r}, {self.options}{note})"
+        return f"WorkerPool({self.target.name!r}, {self.options}{note})"
 
     @property
     def workers_started(self) -> int:
@@ -268,14 +269,14 @@ class WorkerPool:
             death = self.death(error)
             if death is None:
                 raise
-            message = f"the worker process for {display_name(self.target)} {death.summary} while building an engine"
+            message = f"the worker process for {self.target.shown} {death.summary} while building an engine"
             message += death.quoted_tail()
             raise InvalidTarget(message) from error
 
     def _serving_worker(self) -> _Worker:
         with self._lock:
             if self._closed:
-                message = f"the isolation of {self.target} was closed; isolate the target again"
+                message = f"the isolation of {self.target.name} was closed; isolate the target again"
                 raise InvalidTarget(message)
             current = self._current
             if current is not None and current.alive() and current.death is None:
@@ -286,7 +287,7 @@ class WorkerPool:
             worker, self._spare = self._spare or self._start(), None
             self._current = worker
             try:
-                worker.wait_ready(display_name(self.target))
+                worker.wait_ready(self.target.shown)
             except InvalidTarget:
                 # No worker of this target serves (a --worker-memory too low, say): leave no process behind.
                 self._stop_every_process()
@@ -309,7 +310,7 @@ class WorkerPool:
         return worker
 
     def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "shardkit", "serve", self.target, "--worker"]
+        command = [sys.executable, "-m", "shardkit", "serve", self.target.name, "--worker"]
         if self.options.worker_memory_mb is not None:
             command += ["--worker-memory", str(self.options.worker_memory_mb)]
         return command
@@ -352,7 +353,7 @@ class WorkerPool:
         try:
             return self._popen(command, log_path)
         except OSError as error:
-            message = f"the worker command {worker_command_of(self.target)!r} could not be started: {error}"
+            message = f"{self.target.shown} could not be started: {error}"
             raise InvalidTarget(message) from error
 
     def _popen(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
