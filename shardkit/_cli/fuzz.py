@@ -16,9 +16,9 @@ from shardkit._cli.paths import check_out_folder, check_output_file
 from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, Target, WorkerCommand, parse_target
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
-from shardkit.errors import UsageError
+from shardkit.errors import EngineLost, UsageError
 
-__all__ = ["fuzz_command", "left_behind"]
+__all__ = ["fuzz_command"]
 
 
 def fuzz_command(args: argparse.Namespace) -> int:
@@ -69,19 +69,24 @@ def fuzz_command(args: argparse.Namespace) -> int:
     # (a killed CI job) can be rerun from this line alone.
     reference = parse_target(args.reference) if args.reference is not None else None
     print(options.command(target, seed, reference, isolation), flush=True)
-    args.in_progress_before = _in_progress_traces(args.out)
+    in_progress_before = _in_progress_traces(args.out)
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
         # The typed target names the engine; the options must not name it a second time.
         run_options = replace(options, worker_command=None)
         result = fuzz(target, run_options, seed=seed, out=args.out, progress=progress)
+    except EngineLost as lost:
+        # Not an Exception, so that it ends a run wherever it happens: the server went away.
+        left = _left_behind(args.out, in_progress_before)
+        print(f"shardkit: error: {one_line(str(lost))}{left}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         if progress is not None:
             progress.clear()
     print_summary(result, sys.stdout)
     found = result.failure is not None
     # A found failure is exit 1 whatever else goes wrong; what could not be written says so.
-    unwritten = getattr(result, "write_error", None)
+    unwritten = result.write_error
     if unwritten:
         print(f"shardkit: {one_line(str(unwritten))}", file=sys.stderr)
     html_unwritten = False
@@ -141,15 +146,11 @@ def _in_progress_traces(out: Path) -> dict[Path, int]:
         return {}
 
 
-def left_behind(args: argparse.Namespace, error: BaseException) -> str:
-    """What a run that ended early left on disk: the shortest failure found so far, if any."""
-    if args.command != "fuzz":
-        return ""
-    path = getattr(error, "in_progress_trace", None)
-    if path is None:
-        before: dict[Path, int] = getattr(args, "in_progress_before", {})
-        written = [path for path, stamp in _in_progress_traces(args.out).items() if before.get(path) != stamp]
-        path = sorted(written)[-1] if written else None
-    if path is None:
-        return f"; it left no in-progress trace in {args.out}"
+def _left_behind(out: Path, before: dict[Path, int]) -> str:
+    """What a run that ended early left in ``out``: the shortest failure found so far, if any
+    (the newest in-progress trace written since ``before``)."""
+    written = [path for path, stamp in _in_progress_traces(out).items() if before.get(path) != stamp]
+    if not written:
+        return f"; it left no in-progress trace in {out}"
+    path = sorted(written)[-1]
     return f"; the shortest failure found before is kept in {path} (shardkit replay {shlex.quote(str(path))})"

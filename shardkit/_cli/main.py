@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from shardkit._cli.bench import bench_command
 from shardkit._cli.campaign import campaign_command
 from shardkit._cli.commands import contract_command, replay_command, serve_command
-from shardkit._cli.fuzz import fuzz_command, left_behind
+from shardkit._cli.fuzz import fuzz_command
 from shardkit._cli.parser import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_USAGE, build_parser, one_line
 from shardkit._cli.report import report_command
 from shardkit._core.targets import describe_exception
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OUTPUT_CLOSED
     except EngineLost as lost:
         # Not an Exception, so that it ends a run wherever it happens: the server went away.
-        print(f"shardkit: error: {one_line(str(lost))}{left_behind(args, lost)}", file=sys.stderr)
+        print(f"shardkit: error: {one_line(str(lost))}", file=sys.stderr)
         return EXIT_USAGE
     except (ShardkitError, EngineError, OSError) as error:
         print(_error_line(error), file=sys.stderr)

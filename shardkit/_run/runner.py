@@ -17,6 +17,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,15 @@ def run_machine(
     caveats = caveats_before_shrinking if first_failure else stats.caveats
     for kind, why in machine.skipped_faults.items():
         caveats[f"the {kind} fault (docs/contract.md#{LABEL_ANCHORS['§4 ' + kind]}): {why}"] = examples
-    result = FuzzResult(
+    elapsed = time.perf_counter() - started
+    written = artefacts.final(failure) if failure is not None else None
+    trace_path, regression_path = written if written is not None else (None, None)
+    return FuzzResult(
         target=machine.target.name,
         seed=seed,
         examples=examples,
         steps=steps,
-        elapsed_s=time.perf_counter() - started,
+        elapsed_s=elapsed,
         # The counts, the coverage and the caveats all cover the same examples: those run
         # until the first failure (shrinking replays variants of it, it explores nothing).
         coverage=coverage_before_shrinking if first_failure else stats.coverage,
@@ -192,13 +196,10 @@ def run_machine(
         shrink_steps=stats.steps - steps,
         requested_examples=run_settings.max_examples,
         longest_session=sessions_before_shrinking if first_failure else stats.longest_session,
+        trace_path=trace_path,
+        regression_path=regression_path,
+        write_error=artefacts.write_error,
     )
-    if failure is not None:
-        written = artefacts.final(failure)
-        if written is not None:
-            result.trace_path, result.regression_path = written
-    result.write_error = artefacts.write_error
-    return result
 
 
 def _engine_error_within(error: BaseException) -> BaseException:
@@ -326,10 +327,10 @@ def fuzz(
             assert isolation is not None
             isolation.close()
     reference = machine.reference.target if machine.reference is not None else None
-    result.rerun_command = options.command(
+    rerun_command = options.command(
         machine.target.target, seed, reference, isolation.options if isolation is not None else None
     )
-    return result
+    return replace(result, rerun_command=rerun_command)
 
 
 settle(__name__, globals())

@@ -9,7 +9,7 @@ import random
 import shlex
 import unittest
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hypothesis import settings
@@ -192,13 +192,13 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
         # rerun that test alone, not every suite the project's testpaths collect.
         current = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
         selected = f" {shlex.quote(current)}" if current else ""
-        result.rerun_command = f"{_database_variables(shared)}pytest{selected} --shardkit-seed {seed}{engine}"
+        rerun_command = f"{_database_variables(shared)}pytest{selected} --shardkit-seed {seed}{engine}"
         if overrides.item is not None:
             # Run alone, the test is its machine's only one, so the seed printed is its own.
-            result.rerun_command += f"  (this test's own seed, derived from the run's seed {base_seed} and its id)"
+            rerun_command += f"  (this test's own seed, derived from the run's seed {base_seed} and its id)"
         elif overrides.seed is None and derandomized:
-            result.rerun_command += "  (or plain pytest: the profile is derandomized)"
-        message = render_failure(result)
+            rerun_command += "  (or plain pytest: the profile is derandomized)"
+        message = render_failure(replace(result, rerun_command=rerun_command))
         if result.write_error:
             # The failure stands; what it could not leave on disk is said with it, not lost.
             message += f"\n(no trace was kept: {result.write_error})"
