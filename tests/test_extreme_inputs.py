@@ -38,7 +38,8 @@ from shardkit._core.steps import (
     synthetic_rows,
 )
 from shardkit._machine.minimize import _replay_choices, minimize_failure
-from shardkit._machine.state_machine import EXTREME_CHOICES, Choice, FailureReport
+from shardkit._machine.observer import Choice, FailureReport
+from shardkit._machine.state_machine import EXTREME_CHOICES
 from shardkit._planted import LayerNormVarianceOverflows, PlantedEngine, ReleaseLeaksKvTokens
 from shardkit._planted.extreme import one_pass_layer_norm
 from shardkit._planted.minimal import prefill

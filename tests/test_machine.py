@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from shardkit import FakeShardEngine, ShardkitError, machine_for
-from shardkit._machine.state_machine import RunObserver, observed
+from shardkit._machine.observer import RunObserver, observed
 from shardkit._run.options import DEFAULT_BUDGETS
 from shardkit._run.report import print_summary
 from shardkit._run.result import FuzzResult

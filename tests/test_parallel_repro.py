@@ -19,7 +19,7 @@ from shardkit._core.steps import PARALLEL_OP, Action, phase_action, step_action
 from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
 from shardkit._machine.minimize import minimize_failure
-from shardkit._machine.state_machine import FailureReport
+from shardkit._machine.observer import FailureReport
 from shardkit._parallel.phase import LINEARIZABILITY
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import run_machine

@@ -9,7 +9,7 @@ from typing import Any
 
 from shardkit._bench.settings import BenchSettings
 from shardkit._core.conformance import assert_shard_engine_contract
-from shardkit._machine.state_machine import FailureReport
+from shardkit._machine.observer import FailureReport
 from shardkit._run.runner import fuzz
 from shardkit.errors import ContractViolation
 

@@ -20,14 +20,8 @@ from shardkit._core.fault_steps import usable_faults
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import IsolationOptions, PythonTarget, ResolvedTarget, Target
 from shardkit._machine.parallel_rules import MAX_CONCURRENCY, parallel_rules
-from shardkit._machine.state_machine import (
-    FailureSink,
-    ShardMachine,
-    SuiteRunner,
-    extreme_values,
-    inject_fault,
-    layer_range,
-)
+from shardkit._machine.state_machine import ShardMachine, extreme_values, inject_fault, layer_range
+from shardkit._machine.suite_case import FailureSink, SuiteRunner
 from shardkit._transport.isolation import target_with_options
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import FAULT_KINDS, ROLES, EngineCapabilities, EngineError, LoadRequest, Role

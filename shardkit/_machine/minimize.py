@@ -30,7 +30,8 @@ from typing import TypeVar
 from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import PARALLEL_OP, Action, phase_action
 from shardkit._machine.hypothesis_adapter import integer_range
-from shardkit._machine.state_machine import Choice, FailureReport, RunObserver, ShardMachine, observed
+from shardkit._machine.observer import Choice, FailureReport, RunObserver, observed
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._parallel.runs import holds_phase, replay_runs
 
 __all__ = ["MinimizedFailure", "minimize_failure", "replay_actions"]

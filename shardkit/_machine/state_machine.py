@@ -5,29 +5,27 @@ and derives the concrete step from them and the model's state at run time
 (which live session, which chunk, which epoch). That keeps each step a few
 choices long, so Hypothesis's shrinker can delete whole steps (docs/extending.md).
 
-This module owns the machine: ``ShardMachine`` and its rules, ``step_rule``, the fault
-rule, and what a run observes of it. Building a machine for an engine (``build_machine``)
+This module owns the machine: ``ShardMachine`` and its rules, ``step_rule`` and the fault
+rule. What a run observes of it is ``shardkit._machine.observer``'s; how pytest and HypoFuzz
+meet it, ``shardkit._machine.suite_case``'s. Building a machine for an engine (``build_machine``)
 is ``shardkit._machine.build``'s, which imports this module; this one never imports it.
 """
 
 from __future__ import annotations
 
 import functools
-import unittest
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
-from hypothesis import event, reject, settings
+from hypothesis import event, reject
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from hypothesis.strategies import SearchStrategy
 
 from shardkit._core.checks import MemoStore
-from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord, Violation
+from shardkit._core.driver import CustomOp, Driver, StepFailed, StepRecord
 from shardkit._core.model import ReferenceModel, SessionState
 from shardkit._core.outcomes import CRASHED
 from shardkit._core.output_checks import flat_history
@@ -43,26 +41,21 @@ from shardkit._core.steps import (
     step_action,
 )
 from shardkit._core.targets import ResolvedTarget
-from shardkit._machine import profiles as _profiles  # importing it registers the shardkit-* profiles
-from shardkit._machine.hypothesis_adapter import mark_as_state_machine_test, stop_hypothesis
+from shardkit._machine.hypothesis_adapter import stop_hypothesis
+from shardkit._machine.observer import Choice, FailureReport, RunObserver
+from shardkit._machine.suite_case import FailureSink, SuiteRunner, SuiteTestCase
 from shardkit._parallel.runs import PHASE_RUNS, replay_steps
 from shardkit._public import settle
 from shardkit.contract import EPOCH_STEP_LIMIT, FAULT_KINDS, EngineCapabilities, LoadRequest, Role
 from shardkit.errors import UsageError
 
 __all__ = [
-    "Choice",
-    "FailureReport",
     "MachineSetup",
-    "RunObserver",
     "ShardMachine",
-    "SuiteRunner",
     "coverage_op",
     "extreme_values",
-    "fuzzing_machine",
     "inject_fault",
     "layer_range",
-    "observed",
     "step_rule",
 ]
 
@@ -111,35 +104,6 @@ DELAYS = (0.0, 0.0001, 0.0002, 0.001)  # seconds: the result must not change, ho
 EXTREME_CHOICES = 1 + 2 * (len(ROW_KINDS) - 1)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One rule as Hypothesis drew it: the rule's name and its small integers."""
-
-    rule: str
-    arguments: tuple[tuple[str, int], ...]
-
-    def describe(self) -> str:
-        return f"{self.rule}({', '.join(f'{name}={value}' for name, value in self.arguments)})"
-
-
-@dataclass
-class FailureReport:
-    """A failing example: its violation, the steps the driver recorded, and the
-    drawn choices (layout and rules) that replay it without Hypothesis."""
-
-    violation: Violation
-    records: list[StepRecord]
-    load_request: LoadRequest
-    faults: frozenset[str]
-    layout: int = 0
-    #: Which of ``SESSION_ID_POOLS`` the example drew its session ids from.
-    id_pool: int = 0
-    choices: tuple[Choice, ...] = ()
-    #: What the driver noted while running these steps (an engine restarted after an injected
-    #: crash, an injection that landed on a valid answer): shown with the failure.
-    notes: tuple[str, ...] = ()
-
-
 def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Hypothesis's ``@rule`` for a ``ShardMachine`` subclass, which also records the drawn
     arguments so the kit's minimiser can replay the rule without Hypothesis.
@@ -167,45 +131,6 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
     return decorate
 
 
-@dataclass
-class RunObserver:
-    """What one run counts and how it is told about its examples: the runner makes one per
-    run and hands it to a subclass of the machine made for that run (``observed``), so no
-    two runs share counters and nothing is configured by mutating a shared class."""
-
-    examples: int = 0
-    steps: int = 0
-    failures_seen: int = 0
-    coverage: Counter[tuple[str, str]] = field(default_factory=Counter)
-    #: Each check the driver could not make, with the number of examples it was skipped in.
-    caveats: Counter[str] = field(default_factory=Counter)
-    #: Examples by the accepted decodes of their longest session epoch: {decodes: examples}.
-    #: Kept current as each example runs (an example moves up as its session grows), so it
-    #: always sums to ``examples`` and a snapshot at the first failure covers the same ones.
-    longest_session: Counter[int] = field(default_factory=Counter)
-    failure: FailureReport | None = None
-    #: Called with each failing example as it happens (the runner writes its trace).
-    on_failure: Callable[[FailureReport], object] | None = None
-    #: Called as each example starts with (examples, steps, failures seen).
-    on_example: Callable[[int, int, int], object] | None = None
-    #: The failing example with the fewest steps so far.
-    shortest: FailureReport | None = None
-    #: Once ``steps`` passes this count, stop Hypothesis's shrinking: the replay minimiser takes
-    #: over. A count of steps, never a time, so the same seed shrinks the same way on any machine.
-    shrink_stop_at_step: int | None = None
-    #: Likewise once ``examples`` passes this count (rules that make no step still cost examples).
-    shrink_stop_at_example: int | None = None
-    #: When set, a failure of any other property does not count (iterative deepening looks
-    #: for a shorter failure of one property): the example is rejected instead.
-    only_property: str | None = None
-
-
-def observed(machine: type[ShardMachine], observer: RunObserver) -> type[ShardMachine]:
-    """``machine`` for one run, reporting to ``observer``. The subclass keeps the machine's
-    name, so its identity (trace names, example-database keys) is the machine's."""
-    return type(machine.__name__, (machine,), {"observer": observer, "__qualname__": machine.__qualname__})
-
-
 def coverage_op(action: Action) -> str:
     """The operation a step exercises: a call to a never-loaded engine counts as that call."""
     return str(action.args["call"]) if action.op == "unloaded" else action.op
@@ -224,108 +149,12 @@ def layer_range(role: Role, total_layers: int, choice: int) -> tuple[int, int]:
     return pairs[choice % len(pairs)]
 
 
-SuiteRunner = Callable[["type[ShardMachine]", "unittest.TestCase"], None]
-#: Given the machine, what each failure is handed to when Hypothesis drives the machine
-#: directly, with no run of the kit around it (``fuzzing_machine``).
-FailureSink = Callable[["type[ShardMachine]"], Callable[["FailureReport"], object]]
-
-
 class MachineSetup(Protocol):
     """What a machine learns from its engine on first use (``ShardMachine.setup``): the values
     of its prepared attributes by name. ``shardkit._machine.build`` makes it; the machine
     only asks for the values, so this module never imports the one that builds machines."""
 
     def values(self) -> Mapping[str, Any]: ...
-
-
-class SuiteTestCase:
-    """``Machine.TestCase``: a ``unittest.TestCase`` whose test runs ``suite_runner`` on the
-    machine. One class per machine, made on first use, so ``Machine.TestCase.settings = …``
-    sticks; it runs under the ``shardkit-ci`` profile unless a profile is loaded
-    (``--hypothesis-profile``) or ``settings`` is set on it."""
-
-    def __get__(self, instance: object, owner: type[ShardMachine]) -> type[unittest.TestCase]:
-        made: type[unittest.TestCase] | None = owner.__dict__.get("_suite_test_case")
-        if made is None:
-            made = _suite_test_case(owner)
-            type.__setattr__(owner, "_suite_test_case", made)
-        return made
-
-
-class _FuzzerFailures:
-    """The ``on_failure`` of a fuzzing machine's observer: asks the machine's
-    ``fuzzer_failures`` hook for the sink on the first failure (the engine is met then,
-    not when pytest collects the suite), and hands it every failure."""
-
-    def __init__(self, machine: type[ShardMachine]) -> None:
-        self.machine = machine
-        self.sink: Callable[[FailureReport], object] | None = None
-
-    def __call__(self, failure: FailureReport) -> None:
-        hook = self.machine.fuzzer_failures
-        if hook is None:
-            return
-        if self.sink is None:
-            self.sink = hook(self.machine)
-        self.sink(failure)
-
-
-class _FuzzerSettingsHolder:
-    """``TestCase`` of a fuzzing machine, as Hypothesis's ``get_state_machine_test`` reads it
-    (``Machine.TestCase.settings``) when the suite's own ``TestCase.settings`` is None: the
-    settings the suite runs under (its own, else the profile, as ``suite_settings`` says),
-    without a deadline or health checks, read when HypoFuzz asks for them."""
-
-    def __init__(self, machine: type[ShardMachine]) -> None:
-        self.machine = machine
-
-    def __get__(self, instance: object, owner: type) -> SimpleNamespace:
-        explicit = getattr(self.machine.TestCase, "settings", None)
-        chosen, _ = _profiles.suite_settings(explicit if isinstance(explicit, settings) else None)
-        return SimpleNamespace(settings=_profiles.time_independent(chosen))
-
-
-def fuzzing_machine(machine: type[ShardMachine]) -> type[ShardMachine]:
-    """``machine`` as a coverage-guided fuzzer runs it (HypoFuzz collects it from the suite's
-    ``TestCase``): Hypothesis drives it directly, so there is no run of the kit to count its
-    examples and write its trace. One observer for the process counts them, and hands each
-    failure to the sink ``machine.fuzzer_failures`` makes (``machine_for``'s keeps the
-    shortest failure as a trace). It keeps the machine's name, so its
-    identity (trace names) is the machine's."""
-    namespace = {
-        "observer": RunObserver(on_failure=_FuzzerFailures(machine)),
-        "TestCase": _FuzzerSettingsHolder(machine),
-        "__qualname__": machine.__qualname__,
-    }
-    return type(machine.__name__, (machine,), namespace)
-
-
-def _suite_test_case(machine: type[ShardMachine]) -> type[unittest.TestCase]:
-    class ShardMachineTestCase(unittest.TestCase):
-        settings: settings | None = None
-        #: Set by the pytest plugin from its command-line options before the test runs.
-        shardkit_overrides: object = None
-        #: The machine it runs (the plugin counts the tests of each machine in a session).
-        shardkit_machine: ClassVar[type[ShardMachine]] = machine
-
-        def runTest(self) -> None:
-            __tracebackhide__ = True
-            runner = machine.suite_runner
-            if runner is None:
-                message = (
-                    f"{machine.__name__} has no engine to run: build the machine with "
-                    "shardkit.machine_for(TARGET, base=...) and collect that class's TestCase"
-                )
-                raise UsageError(message)
-            runner(machine, self)
-
-        # HypoFuzz runs the fuzzing machine itself, example after example, rather than
-        # runTest (which runs the kit's whole run on each call).
-        mark_as_state_machine_test(runTest, fuzzing_machine(machine) if machine.suite_runner is not None else None)
-
-    ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
-    ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
-    return ShardMachineTestCase
 
 
 class ShardMachine(RuleBasedStateMachine):

@@ -25,8 +25,9 @@ from hypothesis import settings
 from hypothesis.database import ExampleDatabase
 
 from shardkit._core.model import ReferenceModel
+from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import time_independent
-from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.regression import regression_test_source
 from shardkit._run.trace import trace_document, write_atomically, write_new
 from shardkit._run.trust import CODE_KEYS

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardkit._machine.minimize import MinimizedFailure
-from shardkit._machine.state_machine import FailureReport
+from shardkit._machine.observer import FailureReport
 from shardkit._public import settle
 
 __all__ = ["FuzzResult"]

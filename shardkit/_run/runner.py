@@ -34,7 +34,8 @@ from shardkit._core.targets import EngineFactory, ResolvedTarget, Target, engine
 from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
 from shardkit._machine.minimize import MinimizedFailure, minimize_failure
-from shardkit._machine.state_machine import FailureReport, RunObserver, ShardMachine, observed
+from shardkit._machine.observer import FailureReport, RunObserver, observed
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._public import settle
 from shardkit._run.artefacts import Artefacts, run_settings_for
 from shardkit._run.database import open_database

@@ -17,8 +17,9 @@ from hypothesis import settings
 from shardkit._core.model import ReferenceModel
 from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target, parse_target
 from shardkit._machine.build import build_machine
+from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import suite_settings
-from shardkit._machine.state_machine import FailureReport, ShardMachine
+from shardkit._machine.state_machine import ShardMachine
 from shardkit._public import settle
 from shardkit._run.artefacts import Artefacts, machine_identity
 from shardkit._run.database import (
