@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, for_command, one_line
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line, run_options
 from shardkit._core.targets import Target, parse_target
 from shardkit.errors import UsageError
 
@@ -23,21 +23,10 @@ def campaign_command(args: argparse.Namespace) -> int:
     from shardkit._campaign.progress import LiveBoard, RoundLines, Tally
     from shardkit._campaign.run import CampaignPlan, run_campaign
     from shardkit._cli.paths import check_out_folder, check_output_file
-    from shardkit._run.database import choose_database
-    from shardkit._run.options import FuzzOptions
     from shardkit._run.trace import write_atomically
     from shardkit._transport.resolve import resolve_target
 
-    with for_command("campaign"):
-        options = FuzzOptions(
-            examples=args.examples,
-            steps=args.steps,
-            role=args.role,
-            faults=args.faults,
-            twins=not args.no_twins,
-            concurrency=args.concurrency,
-            database=choose_database(args.database, args.database_read_only),
-        )
+    options = run_options("campaign", args)
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     check_out_folder("campaign", args.out)

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command, one_line
+from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, one_line, run_options
 from shardkit._cli.paths import check_out_folder, check_output_file
 from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, Target, WorkerCommand, parse_target
 from shardkit._run.trace import write_atomically
@@ -23,27 +23,19 @@ __all__ = ["fuzz_command"]
 
 def fuzz_command(args: argparse.Namespace) -> int:
     from shardkit._html import write_html
-    from shardkit._run.database import choose_database
-    from shardkit._run.options import FuzzOptions
     from shardkit._run.report import print_summary, report_document
     from shardkit._run.runner import fuzz
 
-    with for_command("fuzz"):
-        options = FuzzOptions(
-            examples=args.examples,
-            steps=args.steps,
-            role=args.role,
-            faults=args.faults,
-            twins=not args.no_twins,
-            reference=args.reference,
-            **({"base": args.machine} if args.machine is not None else {}),
-            isolate=args.isolate,
-            step_timeout=args.step_timeout,
-            worker_memory_mb=args.worker_memory,
-            worker_command=args.worker_command,
-            concurrency=args.concurrency,
-            database=choose_database(args.database, args.database_read_only),
-        )
+    options = run_options(
+        "fuzz",
+        args,
+        reference=args.reference,
+        **({"base": args.machine} if args.machine is not None else {}),
+        isolate=args.isolate,
+        step_timeout=args.step_timeout,
+        worker_memory_mb=args.worker_memory,
+        worker_command=args.worker_command,
+    )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
     check_out_folder("fuzz", args.out)
@@ -73,8 +65,8 @@ def fuzz_command(args: argparse.Namespace) -> int:
     progress = _Progress(args.examples) if sys.stderr.isatty() else None
     try:
         # The typed target names the engine; the options must not name it a second time.
-        run_options = replace(options, worker_command=None)
-        result = fuzz(target, run_options, seed=seed, out=args.out, progress=progress)
+        named_once = replace(options, worker_command=None)
+        result = fuzz(target, named_once, seed=seed, out=args.out, progress=progress)
     except EngineLost as lost:
         # Not an Exception, so that it ends a run wherever it happens: the server went away.
         left = _left_behind(args.out, in_progress_before)

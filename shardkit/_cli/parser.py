@@ -7,7 +7,7 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_CLOSED, EXIT_USAGE
 from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, parse_target, worker_command_argv
@@ -15,6 +15,9 @@ from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
 from shardkit.contract import FAULT_KINDS, ROLES
 from shardkit.errors import InvalidTarget, UsageError
+
+if TYPE_CHECKING:
+    from shardkit._run.options import FuzzOptions
 
 __all__ = [
     "EXIT_FAILURE",
@@ -109,6 +112,25 @@ def for_command(command: str) -> Iterator[None]:
         yield
     except UsageError as error:
         raise UsageError(f"shardkit {command}: {error}") from None
+
+
+def run_options(command: str, args: argparse.Namespace, **only_fuzz: Any) -> FuzzOptions:
+    """The ``FuzzOptions`` of ``shardkit fuzz`` or ``campaign`` from the options both take, and
+    ``only_fuzz`` (those ``shardkit fuzz`` alone takes); a bad value names the command."""
+    from shardkit._run.database import choose_database
+    from shardkit._run.options import FuzzOptions
+
+    with for_command(command):
+        return FuzzOptions(
+            examples=args.examples,
+            steps=args.steps,
+            role=args.role,
+            faults=args.faults,
+            twins=not args.no_twins,
+            concurrency=args.concurrency,
+            database=choose_database(args.database, args.database_read_only),
+            **only_fuzz,
+        )
 
 
 def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = False) -> None:
