@@ -14,9 +14,11 @@ move. The public modules are:
 - ``shardkit.pytest_plugin`` — ``--shardkit-engine`` / ``--shardkit-seed`` for stateful suites.
 
 Extending the kit (docs/extending.md): ``SessionEngine`` and ``DelegatingEngine`` to
-write engines; ``ReferenceModel`` (with ``Prediction`` and ``SessionState``), ``CustomOp``,
-``ShardMachine`` and ``step_rule`` to add a backend's own operation; ``machine_for`` and
-``fuzz`` (returning a ``FuzzResult``) to run the state machine.
+write engines, and ``RecordingEngine`` (keeping each session's ``AcceptedSteps``) for a
+wrapper that implements an operation by sending steps of its own; ``ReferenceModel`` (with
+``Prediction`` and ``SessionState``), ``CustomOp``, ``ShardMachine`` and ``step_rule`` to
+add a backend's own operation; ``machine_for`` and ``fuzz`` (returning a ``FuzzResult``) to
+run the state machine.
 
 Everything under a module whose name starts with ``_`` is private. Public names are
 imported on first use, so that a process needing a few of them (a worker process of
@@ -76,6 +78,8 @@ if TYPE_CHECKING:
     from shardkit.engines.base import StepInput as StepInput
     from shardkit.engines.delegating import DelegatingEngine as DelegatingEngine
     from shardkit.engines.pipeline import PipelineEngine as PipelineEngine
+    from shardkit.engines.recording import AcceptedSteps as AcceptedSteps
+    from shardkit.engines.recording import RecordingEngine as RecordingEngine
     from shardkit.errors import ContractViolation as ContractViolation
     from shardkit.errors import InvalidTarget as InvalidTarget
     from shardkit.errors import ShardkitError as ShardkitError

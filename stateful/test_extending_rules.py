@@ -18,15 +18,16 @@ none of which copies the kit, all imported from ``shardkit`` itself:
 stateful.test_extending_rules:RollbackMachine``) then fuzzes the backend with every
 built-in rule, fault and check, plus the new one. The planted bug at the end
 shows the new rule finding and shrinking a real defect. The engine itself is the
-fake wrapped in a ``DelegatingEngine``, which forwards contract v1 so the wrapper
-states only what rollback changes. ``stateful/test_fork_example.py`` is a second
-example (``fork``), and docs/extending.md explains each piece.
+fake wrapped in a ``RecordingEngine``, which forwards contract v1 and keeps each
+session's accepted steps, so the wrapper states only what rollback changes.
+``stateful/test_fork_example.py`` is a second example (``fork``), and
+docs/extending.md explains each piece.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from hypothesis import settings
@@ -34,22 +35,17 @@ from hypothesis import strategies as st
 
 from shardkit import (
     Action,
-    CacheResult,
     CustomOp,
     DecodeRequest,
-    DelegatingEngine,
-    EngineCapabilities,
     FakeShardEngine,
-    Fault,
     MetricsResult,
     Prediction,
     PrefillRequest,
+    RecordingEngine,
     ReferenceModel,
     SessionState,
-    ShardEngine,
     ShardMachine,
     StatusCode,
-    StepResult,
     StructuredStatus,
     fuzz,
     machine_for,
@@ -61,20 +57,16 @@ StepRequest = PrefillRequest | DecodeRequest
 # --- the backend: the fake, plus rollback ---------------------------------------------------
 
 
-@dataclass
-class _Accepted:
-    epoch: int
-    requests: list[StepRequest] = field(default_factory=list)
-    cancelled: bool = False
+class RollbackEngine(RecordingEngine[FakeShardEngine]):
+    """The fake engine plus ``rollback``, implemented by sending the kept steps again.
 
-
-class RollbackEngine(DelegatingEngine[FakeShardEngine]):
-    """The fake engine plus ``rollback``, implemented by replaying the kept steps."""
+    ``RecordingEngine`` keeps what each session accepted in its epoch (``self.accepted``),
+    hides the steps ``inner_step`` sends from ``metrics()``, and leaves only
+    ``memory_pressure`` native: the kit injects the other faults at its boundary, where
+    the calls rollback makes itself cannot spend them."""
 
     def __init__(self) -> None:
         super().__init__(FakeShardEngine())
-        self.accepted: dict[str, _Accepted] = {}
-        self.hidden_calls = {"prefill": 0, "decode": 0}
 
     def rollback(self, session_id: str, epoch: int, to_step: int) -> StructuredStatus:
         session = self.accepted.get(session_id)
@@ -86,68 +78,11 @@ class RollbackEngine(DelegatingEngine[FakeShardEngine]):
             return StructuredStatus(StatusCode.CANCELLED, "cancelled")
         if not 1 <= to_step <= len(session.requests):
             return StructuredStatus(StatusCode.FAILED_PRECONDITION, f"cannot roll back to step {to_step}")
-        kept = session.requests[:to_step]
         self.inner.release(session_id)
-        for request in kept:
-            self._replay(request)
-        session.requests = kept
+        for request in session.requests[:to_step]:
+            self.inner_step(request)
+        del session.requests[to_step:]
         return StructuredStatus(StatusCode.OK)
-
-    def _replay(self, request: StepRequest) -> None:
-        if isinstance(request, PrefillRequest):
-            self.hidden_calls["prefill"] += 1
-            self.inner.prefill(request)
-        else:
-            self.hidden_calls["decode"] += 1
-            self.inner.decode(request)
-
-    def _track(self, request: StepRequest, result: StepResult) -> StepResult:
-        if result.status.ok:
-            session = self.accepted.get(request.session_id)
-            if result.cache is CacheResult.MISS and request.step == 0 and isinstance(request, PrefillRequest):
-                session = self.accepted[request.session_id] = _Accepted(request.epoch)
-            if session is not None and request.step == len(session.requests):
-                session.requests.append(request)
-        return result
-
-    # rollback replays steps through the inner engine's own prefill/decode, where a native
-    # delay, malformed_output or crash would be spent by a call the kit did not make: the
-    # engine takes memory_pressure only (it needs the engine's own accounting), and the kit
-    # injects the others at its boundary, where only the kit's own calls meet them.
-    def capabilities(self) -> EngineCapabilities:
-        return replace(self.inner.capabilities(), supported_faults=frozenset({"memory_pressure"}))
-
-    def inject_fault(self, fault: Fault) -> StructuredStatus:
-        if fault.kind != "memory_pressure":
-            return StructuredStatus(
-                StatusCode.UNIMPLEMENTED, f"{fault.kind} is not native here; inject it at the boundary"
-            )
-        return self.inner.inject_fault(fault)
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        return self._track(request, self.inner.prefill(request))
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        return self._track(request, self.inner.decode(request))
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        status = self.inner.cancel(session_id, epoch)
-        session = self.accepted.get(session_id)
-        if status.ok and session is not None and session.epoch == epoch:
-            session.cancelled = True
-        return status
-
-    def release(self, session_id: str) -> StructuredStatus:
-        self.accepted.pop(session_id, None)
-        return self.inner.release(session_id)
-
-    def metrics(self) -> MetricsResult:
-        metrics = self.inner.metrics()
-        return replace(
-            metrics,
-            prefill_calls=metrics.prefill_calls - self.hidden_calls["prefill"],
-            decode_calls=metrics.decode_calls - self.hidden_calls["decode"],
-        )
 
 
 # --- 1. the model extension -------------------------------------------------------------------
@@ -203,18 +138,21 @@ class RollbackModel(ReferenceModel):
 # --- 2. the step, and 3. the rule -------------------------------------------------------------
 
 
-def _call_rollback(engine: ShardEngine, args: Mapping[str, Any]) -> StructuredStatus:
-    assert isinstance(engine, RollbackEngine), f"{type(engine).__name__} has no rollback()"
+def _call_rollback(engine: RollbackEngine, args: Mapping[str, Any]) -> StructuredStatus:
     return engine.rollback(args["session"], args["epoch"], args["to_step"])
 
 
-def _predict_rollback(model: ReferenceModel, args: Mapping[str, Any]) -> Prediction:
-    assert isinstance(model, RollbackModel)
+def _predict_rollback(model: RollbackModel, args: Mapping[str, Any]) -> Prediction:
     return model.rollback(args["session"], args["epoch"], args["to_step"])
 
 
 class RollbackMachine(ShardMachine):
-    custom_ops: ClassVar[Mapping[str, CustomOp]] = {"rollback": CustomOp(_call_rollback, _predict_rollback)}
+    # engine_type and model_type: a machine fuzzing another engine, or with another model, is an
+    # input error naming both types before any step runs (the functions' argument types alone
+    # are the type checker's to check).
+    custom_ops: ClassVar[Mapping[str, CustomOp[RollbackEngine, RollbackModel]]] = {
+        "rollback": CustomOp(_call_rollback, _predict_rollback, engine_type=RollbackEngine, model_type=RollbackModel)
+    }
     model_factory = RollbackModel
 
     @step_rule(session=st.integers(0, 7), back=st.integers(0, 3))

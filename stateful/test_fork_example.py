@@ -24,10 +24,10 @@ or beam search over one prompt). The semantics, which the model below encodes:
 
 The pieces, as in ``stateful/test_extending_rules.py`` (docs/extending.md explains each):
 
-1. the **engine** — the fake wrapped in a ``DelegatingEngine`` that implements ``fork``
-   by replaying the source's accepted steps under the new id (a real backend copies KV
-   blocks; replaying gives the same observable result), hiding those calls from
-   ``metrics()``;
+1. the **engine** — the fake wrapped in a ``RecordingEngine`` (which keeps each session's
+   accepted steps) that implements ``fork`` by replaying the source's accepted steps
+   under the new id with ``inner_step`` (a real backend copies KV blocks; replaying gives
+   the same observable result), which hides those calls from ``metrics()``;
 2. the **model** — ``ForkModel(ReferenceModel)`` with a ``fork`` rule returning a
    ``Prediction`` and opening the new session with ``set_session``;
 3. the **step** — a ``CustomOp`` calling ``engine.fork`` and ``model.fork`` from the
@@ -53,7 +53,7 @@ The test fuzzes it at three seeds and checks that each run reports one of these.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import pytest
@@ -61,21 +61,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from shardkit import (
+    AcceptedSteps,
     Action,
     CacheResult,
     CustomOp,
     DecodeRequest,
-    DelegatingEngine,
-    EngineCapabilities,
     FakeShardEngine,
-    Fault,
     FuzzResult,
-    MetricsResult,
     Prediction,
     PrefillRequest,
+    RecordingEngine,
     ReferenceModel,
     SessionState,
-    ShardEngine,
     ShardMachine,
     StatusCode,
     StepResult,
@@ -91,31 +88,25 @@ StepRequest = PrefillRequest | DecodeRequest
 # --- the backend: the fake, plus fork -----------------------------------------------------------
 
 
-@dataclass
-class _Record:
-    """What the wrapper knows of a session's current epoch: the steps it accepted, in order."""
-
-    epoch: int
-    requests: list[StepRequest] = field(default_factory=list)
-    cancelled: bool = False
-    #: Opened by a fork and no step of its own accepted yet (no request of it is a retry).
-    forked: bool = False
-
-
 def _addressed_to(request: StepRequest, session_id: str) -> StepRequest:
     """``request`` as if it had been sent to ``session_id`` (its bundle too, for a middle or tail)."""
     bundle = request.bundle if request.bundle is None else replace(request.bundle, session_id=session_id)
     return replace(request, session_id=session_id, bundle=bundle)
 
 
-class ForkEngine(DelegatingEngine[FakeShardEngine]):
-    """The fake engine plus ``fork``, implemented by replaying the source's steps."""
+class ForkEngine(RecordingEngine[FakeShardEngine]):
+    """The fake engine plus ``fork``, implemented by sending the source's steps again.
+
+    ``RecordingEngine`` keeps what each session accepted in its epoch (``self.accepted``),
+    hides the steps ``inner_step`` sends from ``metrics()``, and leaves only
+    ``memory_pressure`` native: the kit injects the other faults at its boundary, where
+    the calls fork makes itself cannot spend them."""
 
     def __init__(self) -> None:
         super().__init__(FakeShardEngine())
-        self.records: dict[str, _Record] = {}
-        #: prefill/decode calls fork made itself, which metrics() must not count.
-        self.hidden_calls = {"prefill": 0, "decode": 0}
+        #: Sessions opened by a fork that have accepted no step of their own yet: no request
+        #: sent to one is a retry (an id leaves the set at its first accepted step).
+        self.forked: set[str] = set()
 
     def fork(self, session_id: str, epoch: int, new_session_id: str) -> StructuredStatus:
         if not self.inner.health().serving:
@@ -124,86 +115,41 @@ class ForkEngine(DelegatingEngine[FakeShardEngine]):
             return StructuredStatus(StatusCode.INVALID_ARGUMENT, "a session id is empty; pass non-empty ids")
         if new_session_id == session_id:
             return StructuredStatus(StatusCode.INVALID_ARGUMENT, f"cannot fork {session_id!r} onto itself")
-        source = self.records.get(session_id)
+        source = self.accepted.get(session_id)
         if source is None or epoch > source.epoch:
             return StructuredStatus(StatusCode.NOT_FOUND, f"session {session_id!r} has no epoch {epoch}")
         if epoch < source.epoch:
             return StructuredStatus(StatusCode.ABORTED, f"epoch {epoch} is stale: {session_id!r} is at {source.epoch}")
         if source.cancelled:
             return StructuredStatus(StatusCode.CANCELLED, f"session {session_id!r} was cancelled")
-        if new_session_id in self.records:
+        if new_session_id in self.accepted:
             return StructuredStatus(StatusCode.FAILED_PRECONDITION, f"{new_session_id!r} is held; release it first")
         for request in source.requests:
-            result = self._replay(_addressed_to(request, new_session_id))
+            result = self.inner_step(_addressed_to(request, new_session_id))
             if not result.status.ok:  # no slot or no room: undo the partial copy
                 self.inner.release(new_session_id)
                 return result.status
-        self.records[new_session_id] = _Record(source.epoch, self._copy(source.requests), forked=True)
+        self.accepted[new_session_id] = AcceptedSteps(source.epoch, self._copy(source.requests))
+        self.forked.add(new_session_id)
         return StructuredStatus(StatusCode.OK)
 
     def _copy(self, requests: list[StepRequest]) -> list[StepRequest]:
         return list(requests)
 
-    def _replay(self, request: StepRequest) -> StepResult:
-        if isinstance(request, PrefillRequest):
-            self.hidden_calls["prefill"] += 1
-            return self.inner.prefill(request)
-        self.hidden_calls["decode"] += 1
-        return self.inner.decode(request)
-
-    def _track(self, request: StepRequest, result: StepResult) -> StepResult:
-        if not result.status.ok:
-            return result
-        record = self.records.get(request.session_id)
-        if record is not None and request.epoch == record.epoch and request.step < len(record.requests):
-            if record.forked:  # the inner engine took it for a retry of a step this session never took
-                message = f"step {request.step} does not follow: {request.session_id!r} expects {len(record.requests)}"
-                return StepResult(StructuredStatus(StatusCode.FAILED_PRECONDITION, message), CacheResult.MISS)
-            return result  # an idempotent retry
-        if record is None or request.epoch != record.epoch:  # opened or restarted
-            record = self.records[request.session_id] = _Record(request.epoch)
-        record.requests.append(request)
-        record.forked = False
-        return result
-
-    # fork replays steps through the inner engine's own prefill/decode, where a native delay,
-    # malformed_output or crash would be spent by a call the kit did not make: the engine
-    # takes memory_pressure only (it needs the engine's own accounting), and the kit injects
-    # the others at its boundary, where only the kit's own calls meet them.
-    def capabilities(self) -> EngineCapabilities:
-        return replace(self.inner.capabilities(), supported_faults=frozenset({"memory_pressure"}))
-
-    def inject_fault(self, fault: Fault) -> StructuredStatus:
-        if fault.kind != "memory_pressure":
-            return StructuredStatus(
-                StatusCode.UNIMPLEMENTED, f"{fault.kind} is not native here; inject it at the boundary"
-            )
-        return self.inner.inject_fault(fault)
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        return self._track(request, self.inner.prefill(request))
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        return self._track(request, self.inner.decode(request))
-
-    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
-        status = self.inner.cancel(session_id, epoch)
-        record = self.records.get(session_id)
-        if status.ok and record is not None and record.epoch == epoch:
-            record.cancelled = True
-        return status
-
-    def release(self, session_id: str) -> StructuredStatus:
-        self.records.pop(session_id, None)
-        return self.inner.release(session_id)
-
-    def metrics(self) -> MetricsResult:
-        metrics = self.inner.metrics()
-        return replace(
-            metrics,
-            prefill_calls=metrics.prefill_calls - self.hidden_calls["prefill"],
-            decode_calls=metrics.decode_calls - self.hidden_calls["decode"],
-        )
+    def record_step(self, request: StepRequest, result: StepResult) -> StepResult:
+        copy = self.accepted.get(request.session_id)
+        if (
+            result.status.ok
+            and request.session_id in self.forked
+            and copy is not None
+            and request.epoch == copy.epoch
+            and request.step < len(copy.requests)
+        ):  # the inner engine took it for a retry of a step this session never took
+            message = f"step {request.step} does not follow: {request.session_id!r} expects {len(copy.requests)}"
+            return StepResult(StructuredStatus(StatusCode.FAILED_PRECONDITION, message), CacheResult.MISS)
+        if result.status.ok:
+            self.forked.discard(request.session_id)
+        return super().record_step(request, result)
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -251,18 +197,18 @@ class ForkModel(ReferenceModel):
 # --- the step and the rule ------------------------------------------------------------------------
 
 
-def _call_fork(engine: ShardEngine, args: Mapping[str, Any]) -> StructuredStatus:
-    assert isinstance(engine, ForkEngine), f"{type(engine).__name__} has no fork()"
+def _call_fork(engine: ForkEngine, args: Mapping[str, Any]) -> StructuredStatus:
     return engine.fork(args["session"], args["epoch"], args["new_session"])
 
 
-def _predict_fork(model: ReferenceModel, args: Mapping[str, Any]) -> Prediction:
-    assert isinstance(model, ForkModel)
+def _predict_fork(model: ForkModel, args: Mapping[str, Any]) -> Prediction:
     return model.fork(args["session"], args["epoch"], args["new_session"])
 
 
 class ForkMachine(ShardMachine):
-    custom_ops: ClassVar[Mapping[str, CustomOp]] = {"fork": CustomOp(_call_fork, _predict_fork)}
+    custom_ops: ClassVar[Mapping[str, CustomOp[ForkEngine, ForkModel]]] = {
+        "fork": CustomOp(_call_fork, _predict_fork, engine_type=ForkEngine, model_type=ForkModel)
+    }
     model_factory = ForkModel
 
     @step_rule(session=st.integers(0, 7), new=st.integers(0, 3), epoch=st.integers(0, 3))

@@ -54,6 +54,8 @@ EXTENSION = {
     "StepInput",
     "Produced",
     "DelegatingEngine",
+    "RecordingEngine",
+    "AcceptedSteps",
     "SessionState",
     "CustomOp",
     "step_rule",

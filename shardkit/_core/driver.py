@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from shardkit._core.checks import HistoryMemo, MemoStore, Payload, metrics_text
 from shardkit._core.fault_steps import FaultSteps, fault_injectable, usable_faults
@@ -59,19 +59,84 @@ __all__ = ["KIT_BUG_ENDING", "CustomOp", "Driver", "StepFailed", "StepRecord", "
 
 T = TypeVar("T")
 
+# The engine and model types a CustomOp works with. Covariant, so that a
+# ``CustomOp[RollbackEngine, RollbackModel]`` fits where a plain ``CustomOp`` is expected
+# (``ShardMachine.custom_ops``, ``replay(custom_ops=...)``); defaulted, so that a plain
+# ``CustomOp`` still means ``CustomOp[ShardEngine, ReferenceModel]``. Python 3.11's TypeVar
+# takes no default: type checkers read typing_extensions' (PEP 696), the runtime the plain one.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as DefaultedTypeVar
+
+    EngineT = DefaultedTypeVar("EngineT", bound=ShardEngine, default=ShardEngine, covariant=True)
+    ModelT = DefaultedTypeVar("ModelT", bound=ReferenceModel, default=ReferenceModel, covariant=True)
+else:
+    EngineT = TypeVar("EngineT", bound=ShardEngine, covariant=True)
+    ModelT = TypeVar("ModelT", bound=ReferenceModel, covariant=True)
+
 
 @dataclass(frozen=True)
-class CustomOp:
+class CustomOp(Generic[EngineT, ModelT]):
     """An operation a backend adds beyond contract v1 (see stateful/test_extending_rules.py).
 
     ``call_engine`` performs it on the engine and ``predict`` asks the (extended)
     reference model, both from the step's JSON-able arguments, so a trace that
     holds the step replays it. The driver compares the status codes and the
     metrics afterwards, like for any other step.
+
+    The type parameters are the engine and the model the two functions take, so that they
+    call their own methods without an ``isinstance`` check::
+
+        def _call_rollback(engine: RollbackEngine, args: Mapping[str, Any]) -> StructuredStatus: ...
+        def _predict_rollback(model: RollbackModel, args: Mapping[str, Any]) -> Prediction: ...
+
+        ROLLBACK = CustomOp(_call_rollback, _predict_rollback, engine_type=RollbackEngine, model_type=RollbackModel)
+
+    A plain ``CustomOp`` is ``CustomOp[ShardEngine, ReferenceModel]``. ``engine_type`` and
+    ``model_type`` (optional) make the promise checked when the kit starts an engine: an
+    engine under test that is not an ``engine_type``, or a machine whose ``model_factory``
+    makes no ``model_type``, is an ``InvalidTarget`` naming both types, before any step runs.
+    Without them nothing is checked, and a function meeting the wrong type fails inside.
     """
 
-    call_engine: Callable[[ShardEngine, Mapping[str, Any]], StructuredStatus]
-    predict: Callable[[ReferenceModel, Mapping[str, Any]], Prediction]
+    call_engine: Callable[[EngineT, Mapping[str, Any]], StructuredStatus]
+    predict: Callable[[ModelT, Mapping[str, Any]], Prediction]
+    engine_type: type[EngineT] | None = field(default=None, kw_only=True)
+    model_type: type[ModelT] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        for name, given, base in (
+            ("engine_type", self.engine_type, ShardEngine),
+            ("model_type", self.model_type, ReferenceModel),
+        ):
+            if given is not None and not (isinstance(given, type) and issubclass(given, base)):
+                message = (
+                    f"CustomOp({name}={given!r}): {name} must be a subclass of {base.__name__} (the class, "
+                    f"not an instance), or None to check nothing"
+                )
+                raise TypeError(message)
+
+    def check_types(self, name: str, engine: ShardEngine, model: ReferenceModel) -> None:
+        """Raise ``InvalidTarget`` if ``engine`` is no ``engine_type`` or ``model`` no
+        ``model_type``: the kit calls it for each custom operation ``name`` when it starts an
+        engine. Nothing is checked for a type left None."""
+        if self.engine_type is not None and not isinstance(engine, self.engine_type):
+            message = (
+                f"custom operation {name!r} runs on a {_qualname(self.engine_type)} (its engine_type), "
+                f"but the engine under test is a {_qualname(type(engine))}: fuzz a {_qualname(self.engine_type)} "
+                f"(or a subclass) with this machine, or give the operation an engine_type the engine is"
+            )
+            raise InvalidTarget(message)
+        if self.model_type is not None and not isinstance(model, self.model_type):
+            message = (
+                f"custom operation {name!r} predicts with a {_qualname(self.model_type)} (its model_type), "
+                f"but the model is a {_qualname(type(model))}: set model_factory = "
+                f"{_qualname(self.model_type)} on the machine (or pass model={_qualname(self.model_type)})"
+            )
+            raise InvalidTarget(message)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class Driver(FaultSteps):
@@ -168,6 +233,8 @@ class Driver(FaultSteps):
         self._fault_target: FaultInjectable | None = fault_injectable(raw)
         self.caps = caps
         self.model = self.model_factory()
+        for name, custom in self.custom_ops.items():
+            custom.check_types(name, raw, self.model)
         self.model.load(caps)
         self.logs: dict[str, SessionLog] = {}
         self.twins: dict[str, TwinSession] = {}
