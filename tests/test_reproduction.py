@@ -318,6 +318,60 @@ def test_the_shortest_failure_is_on_disk_before_minimisation_and_ctrl_c_there_ke
     )
 
 
+
+def _hypothesis_turns_the_interrupt_into(error: BaseException) -> Any:
+    """What Hypothesis does when Ctrl-C lands inside its own machinery (computing a database
+    key, say): it raises another error while handling the ``KeyboardInterrupt``."""
+
+    def landed(*args: Any, **kwargs: Any) -> Any:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise error  # noqa: B904 - the interrupt stays its context, as in Hypothesis
+
+    return landed
+
+
+@pytest.mark.parametrize("stage", ["search", "minimisation"])
+def test_ctrl_c_that_hypothesis_turns_into_another_error_is_still_an_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """Seen in a campaign: the interrupt landed while Hypothesis computed a database key, and
+    came out as an ``AssertionError`` of Hypothesis's, which was reported as a bug of the kit."""
+    from hypothesis import settings
+
+    from shardkit._run import runner
+    from tests.planted import FailedCallsNotCounted
+
+    machine = machine_for(FailedCallsNotCounted, role="full")
+    if stage == "search":
+        monkeypatch.setattr(runner, "run_state_machine_as_test", _hypothesis_turns_the_interrupt_into(AssertionError()))
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_machine(machine, settings(max_examples=50, database=None), seed=1, out=tmp_path)
+        return
+    monkeypatch.setattr(runner, "minimize_failure", _hypothesis_turns_the_interrupt_into(AssertionError()))
+    result = runner.run_machine(machine, settings(max_examples=50, database=None), seed=1, out=tmp_path)
+    assert result.interrupted
+    assert result.failure is not None
+    assert result.trace_path is not None
+
+
+def test_an_error_without_an_interrupt_behind_it_is_not_taken_for_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hypothesis import settings
+
+    from shardkit._run import runner
+    from tests.planted import FailedCallsNotCounted
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a bug of the minimiser")
+
+    monkeypatch.setattr(runner, "minimize_failure", broken)
+    machine = machine_for(FailedCallsNotCounted, role="full")
+    with pytest.raises(AssertionError, match="a bug of the minimiser"):
+        runner.run_machine(machine, settings(max_examples=50, database=None), seed=1, out=tmp_path)
+
 # --- a trace replays from anywhere; a test that cannot build its engine is an error ---------------------
 
 LEAKY_ENGINE = """

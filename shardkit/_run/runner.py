@@ -147,25 +147,30 @@ def run_machine(
                     shrink_cut = True
                 if stats.failure is not None:
                     break
-    except KeyboardInterrupt:
-        if stats.failure is None:
-            raise
-        # Keep the shortest failure seen, not the attempt the interrupt happened to stop.
-        stats.failure = stats.shortest
-        interrupted = True
     except BaseException as error:
-        if stats.failure is None:
+        if _interrupt_within(error):
+            if stats.failure is None:
+                if isinstance(error, KeyboardInterrupt):
+                    raise
+                raise KeyboardInterrupt from error
+            # Keep the shortest failure seen, not the attempt the interrupt happened to stop.
+            stats.failure = stats.shortest
+            interrupted = True
+        elif stats.failure is None:
             engine_error = _engine_error_within(error)
             if engine_error is error:
                 raise
             raise engine_error from error
-        captured.write("".join(getattr(error, "__notes__", [])))
+        else:
+            captured.write("".join(getattr(error, "__notes__", [])))
     minimized = None
     if stats.failure is not None and minimize and not interrupted:
         try:
             minimized = minimize_failure(machine, stats.failure, max_replays=budgets.minimize_replays)
             minimized = _deepen(machine, run_settings, seed, minimized, budgets)
-        except KeyboardInterrupt:
+        except BaseException as error:
+            if not _interrupt_within(error):
+                raise
             interrupted = minimized is None
     failure = minimized.report if minimized is not None else stats.failure
     examples, steps = before_shrinking if first_failure else (stats.examples, stats.steps)
@@ -201,6 +206,21 @@ def run_machine(
         regression_path=regression_path,
         write_error=artefacts.write_error,
     )
+
+
+def _interrupt_within(error: BaseException) -> bool:
+    """Whether ``error`` is a Ctrl-C, or was raised while one was being handled: an interrupt
+    that lands inside Hypothesis's own machinery (computing a database key, say) can come out
+    of it as another error, with the ``KeyboardInterrupt`` as its context. It is the user's
+    interrupt all the same, never a failure of the kit or of the engine."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _engine_error_within(error: BaseException) -> BaseException:
