@@ -142,13 +142,13 @@ def kind_tests(source: str) -> list[str]:
 
 
 def parse_calls(source: str) -> list[int]:
-    """The lines of ``source`` that call ``parse_target`` or ``engine_target``."""
+    """The lines of ``source`` that call ``parse_target``, ``typed_target`` or ``engine_target``."""
     return [
         node.lineno
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
-        and node.func.id in ("parse_target", "engine_target")
+        and node.func.id in ("parse_target", "typed_target", "engine_target")
     ]
 
 
@@ -161,6 +161,7 @@ d = name.removeprefix("worker-command:")
 e = name.startswith("other") or url.removeprefix("unix:")
 f = parse_target(name)
 g = engine_target(name, None)
+h = typed_target(name)
 """
     assert kind_tests(source) == [
         "line 2: .startswith('grpc://')",
@@ -169,7 +170,7 @@ g = engine_target(name, None)
         "line 4: .startswith(REMOTE_PREFIXES)",
         "line 5: the literal 'worker-command:'",
     ]
-    assert parse_calls(source) == [7, 8]
+    assert parse_calls(source) == [7, 8, 9]
 
 
 def _modules() -> list[tuple[str, str]]:

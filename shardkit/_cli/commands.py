@@ -36,8 +36,8 @@ def replay_command(args: argparse.Namespace) -> int:
 
     with for_command("replay"):
         check_step_timeout(args.step_timeout)
-    check_isolation_options("replay", args, args.engine)
     named = parse_target(args.engine) if args.engine is not None else None
+    check_isolation_options("replay", args, named)
     engine: Target | ResolvedTarget | None = named
     if args.worker_command is not None:
         engine = WorkerCommand(args.worker_command)
@@ -101,12 +101,13 @@ def contract_command(args: argparse.Namespace) -> int:
 
     with for_command("contract"):
         check_step_timeout(args.step_timeout)
-    check_isolation_options("contract", args, args.target)
-    if args.worker_command is None and args.target is None:
+    given = parse_target(args.target) if args.target is not None else None
+    check_isolation_options("contract", args, given)
+    if args.worker_command is None and given is None:
         raise UsageError(
             "shardkit contract: name the engine: a target (my_pkg.engine:make_engine) or --worker-command CMD"
         )
-    named = WorkerCommand(args.worker_command) if args.worker_command is not None else parse_target(args.target)
+    named = WorkerCommand(args.worker_command) if given is None else given
     # In worker processes (--isolate, --worker-command), a crash is a failed check, not the end of the run.
     target = target_with_options(
         named, isolate=args.isolate, step_timeout=args.step_timeout, worker_memory_mb=args.worker_memory

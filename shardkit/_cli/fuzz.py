@@ -46,12 +46,13 @@ def fuzz_command(args: argparse.Namespace) -> int:
         if args.report is not None and args.html.resolve() == args.report.resolve():
             message = f"shardkit fuzz: --html {args.html} is the --report file too; name each its own file, e.g. --report report.json --html report.html"
             raise UsageError(message)
-    check_isolation_options("fuzz", args, args.target)
+    named = parse_target(args.target) if args.target is not None else None
+    check_isolation_options("fuzz", args, named)
     target: Target
     if args.worker_command is not None:
         target = WorkerCommand(args.worker_command)  # checked by check_isolation_options
     else:
-        target = parse_target(DEFAULT_TARGET if args.target is None else args.target)
+        target = named if named is not None else parse_target(DEFAULT_TARGET)
         resolve_target(target)  # an unknown target is a usage error before the run's line is printed
     isolation = None
     if args.isolate or args.worker_command is not None:

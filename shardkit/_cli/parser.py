@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_CLOSED, EXIT_USAGE
-from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, parse_target, worker_command_argv
+from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, Target, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
 from shardkit.contract import FAULT_KINDS, ROLES
@@ -190,14 +190,14 @@ def database_options(command: argparse.ArgumentParser) -> None:
     )
 
 
-def check_isolation_options(command: str, args: argparse.Namespace, target: str | None) -> None:
+def check_isolation_options(command: str, args: argparse.Namespace, target: Target | None) -> None:
     """Options that cannot apply are a usage error, never silently ignored. ``target`` is
-    the engine target the command line named, if any."""
+    the engine target the command line named, if any, as ``parse_target`` read it."""
     worker_command = args.worker_command
     if worker_command is not None:
         if target is not None:
             flag = "--engine " if command == "replay" else ""
-            message = f"shardkit {command}: --worker-command names the engine; drop {flag}{target!r} or the option"
+            message = f"shardkit {command}: --worker-command names the engine; drop {flag}{target.name!r} or the option"
             raise UsageError(message)
         if args.isolate is False and command == "replay":
             raise UsageError("shardkit replay: --worker-command always runs the engine in worker processes; drop --no-isolate")
@@ -209,9 +209,9 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: str 
     isolation_refused = (args.isolate is False if command == "replay" else not args.isolate) and worker_command is None
     if args.worker_memory is not None and isolation_refused:
         raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate or --worker-command")
-    remote = target is not None and isinstance(parse_target(target), RemoteAddress)
-    if args.isolate and remote:
-        message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target} is already out of process"
+    remote = isinstance(target, RemoteAddress)
+    if args.isolate and isinstance(target, RemoteAddress):
+        message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target.name} is already out of process"
         raise UsageError(message)
     if args.step_timeout is not None and not args.isolate and not remote and worker_command is None and command in ("fuzz", "contract"):
         message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate, --worker-command or a grpc:// or unix: target"

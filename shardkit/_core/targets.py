@@ -55,6 +55,7 @@ __all__ = [
     "is_loopback",
     "parse_target",
     "passes_through",
+    "typed_target",
     "worker_command_argv",
 ]
 
@@ -219,6 +220,12 @@ def parse_target(target: str | EngineFactory | Target | ResolvedTarget) -> Targe
     raise InvalidTarget(message)
 
 
+def typed_target(target: str | EngineFactory | Target | ResolvedTarget) -> Target | ResolvedTarget:
+    """``target`` as ``parse_target`` types it, or as it is when already resolved: a target its
+    caller connected or isolated keeps its engines, its deadline and its worker processes."""
+    return target if isinstance(target, ResolvedTarget) else parse_target(target)
+
+
 def engine_target(
     target: str | EngineFactory | Target | ResolvedTarget | None, worker_command: str | WorkerCommand | None
 ) -> Target | ResolvedTarget:
@@ -230,7 +237,7 @@ def engine_target(
                 "name the engine to fuzz: a target ('package.module:factory') or a worker_command (--worker-command)"
             )
             raise UsageError(message)
-        return target if isinstance(target, ResolvedTarget) else parse_target(target)
+        return typed_target(target)
     if target is not None:
         message = (
             f"worker_command (--worker-command) names the engine, so the target {parse_target(target).name!r} "

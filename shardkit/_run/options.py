@@ -17,7 +17,7 @@ from shardkit._core.targets import (
     Target,
     WorkerCommand,
     check_step_timeout,
-    parse_target,
+    typed_target,
     worker_command_argv,
 )
 from shardkit._machine.build import parse_faults
@@ -150,12 +150,11 @@ class FuzzOptions:
     def machine_options(self) -> dict[str, Any]:
         """The keyword arguments ``build_machine`` takes from these options (the engine itself
         comes from ``engine_target``, which reads ``worker_command``)."""
-        reference = self.reference
         return {
             "role": self.role,
             "faults": self.faults,
             "twins": self.twins,
-            "reference": reference if reference is None or isinstance(reference, ResolvedTarget) else parse_target(reference),
+            "reference": typed_target(self.reference) if self.reference is not None else None,
             "model": self.model,
             "base": self.base,
             "isolate": self.isolate,

@@ -412,8 +412,9 @@ def _isolation_of_a_dying_engine(
 
 
 def _engine(trace: Trace, chosen: str | EngineFactory | Target, isolate: bool | IsolationOptions | None) -> ResolvedTarget:
-    if isolate is False and isinstance(parse_target(chosen), WorkerCommand):
-        message = f"{parse_target(chosen).shown} always runs in worker processes; drop --no-isolate (isolate=False)"
+    typed = parse_target(chosen)
+    if isolate is False and isinstance(typed, WorkerCommand):
+        message = f"{typed.shown} always runs in worker processes; drop --no-isolate (isolate=False)"
         raise InvalidTarget(message)
     if isinstance(chosen, ResolvedTarget) and _remote(chosen):
         return chosen  # connected by the caller, with the deadline the caller chose

@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import settings
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target, parse_target
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target, typed_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import suite_settings
@@ -105,7 +105,7 @@ def machine_for(
         role=role,
         faults=faults,
         twins=twins,
-        reference=reference if reference is None or isinstance(reference, ResolvedTarget) else parse_target(reference),
+        reference=typed_target(reference) if reference is not None else None,
         model=model,
         base=base,
         name=name,

@@ -28,6 +28,7 @@ from shardkit._core.targets import (
     Target,
     WorkerCommand,
     parse_target,
+    typed_target,
 )
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import InvalidTarget
@@ -107,7 +108,7 @@ def target_with_options(
     if step_timeout is None:
         return resolve_target(target)
     IsolationOptions(step_timeout)  # validates it
-    typed = target if isinstance(target, ResolvedTarget) else parse_target(target)
+    typed = typed_target(target)
     if isinstance(typed, RemoteAddress):
         from shardkit._transport.client import remote_target
 
