@@ -25,6 +25,9 @@ the kit and reported as a finding or as one of the errors here.
   checks' outcomes, reported as a skipped check or a ``ContractViolation``.
 - ``ShrinkBudgetSpent`` (``shardkit._machine.hypothesis_adapter``): a ``BaseException``
   raised through Hypothesis to stop its shrinker on a count; the runner catches it.
+- ``OptionValueError`` (``shardkit._machine.spec``): an option's declared check refused a
+  value; whoever ran the check words it as a ``UsageError`` naming the option (by field and
+  flag, or by the flag the command line read).
 - ``ForkUnavailable`` (``shardkit._transport.forkserver``): the process that forks
   ``--isolate``'s workers cannot give one; the worker pool catches it and starts a fresh
   interpreter instead.

@@ -109,7 +109,7 @@ def shardkit_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def identity_prefix(target: str) -> bytes:
     """The key prefix of ``target`` fuzzed with the default options, as Redis stores it."""
-    machine = build_machine(parse_target(target), **FuzzOptions().machine_options())
+    machine = build_machine(parse_target(target), FuzzOptions())
     return REDIS_KEY_PREFIX + _EngineKeyedDatabase(InMemoryExampleDatabase(), machine_identity(machine)).prefix
 
 
@@ -367,7 +367,9 @@ def test_a_redis_that_refuses_the_password_says_so_not_that_it_is_down(
     choice = DatabaseChoice("redis", "redis://:secret@cache.example:6379/0")
     open_database(choice, fallback=tmp_path / "examples", warn=warnings.append)
     [warning] = warnings
-    assert warning.startswith("shardkit: warning: the example database redis://:****@cache.example:6379/0 refused the login ("), warning
+    assert warning.startswith(
+        "shardkit: warning: the example database redis://:****@cache.example:6379/0 refused the login ("
+    ), warning
     assert "secret" not in warning
 
 

@@ -32,6 +32,8 @@ ELSEWHERE = {
     "turns into a finding (or an InvalidTarget naming a broken reference engine)",
     "ShrinkBudgetSpent": "shardkit/_machine/hypothesis_adapter.py: control flow; a BaseException raised through "
     "Hypothesis to stop its shrinker on a count, caught by the runner",
+    "OptionValueError": "shardkit/_machine/spec.py: control flow; an option's declared check refused a value, "
+    "which the options or the command line turn into a UsageError naming the option",
     "ForkUnavailable": "shardkit/_transport/forkserver.py: control flow; the process that forks --isolate's "
     "workers cannot give one, caught by the worker pool, which starts a fresh interpreter instead",
     "FakeEngineCrash": "shardkit/engines/fake.py: the bundled engine's own simulated process death, raised as "

@@ -178,9 +178,11 @@ def test_building_a_machine_builds_no_engine_and_starts_no_worker() -> None:
 
 
 def test_bad_machine_options_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="role must be one of full, head, tail, middle or 'any', got 'edge'"):
+    with pytest.raises(
+        ValueError, match=r"role \(--role\) must be one of full, head, tail, middle or 'any', got 'edge'"
+    ):
         machine_for(FakeShardEngine, role="edge")
-    with pytest.raises(ValueError, match="faults must be 'all', 'none' or a comma-separated list"):
+    with pytest.raises(ValueError, match=r"faults \(--faults\) must be 'all', 'none' or a comma-separated list"):
         machine_for(FakeShardEngine, faults="flood")
 
 

@@ -7,6 +7,7 @@ shows in most runs; a run counts how often."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 from typing import Any, ClassVar
 
@@ -17,10 +18,12 @@ from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
 from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
+from shardkit._machine.spec import MachineOptions
 from shardkit._parallel.phase import LINEARIZABILITY, run_parallel
 from shardkit._planted.base import DelegatingEngine as PlantedBase
 from shardkit._planted.racy import DecodeCounterLostUpdate, SharedScratchToken
 from shardkit._run.runner import run_machine
+from shardkit._run.suite import machine_for
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import (
     DecodeRequest,
@@ -144,7 +147,7 @@ def test_a_phase_refuses_to_start_with_a_fault_armed() -> None:
 
 def fuzz_with_lanes(engine: Any, seed: int, examples: int) -> Any:
     """A run of a machine with two lanes, not minimised (tests/test_parallel_repro.py minimises)."""
-    machine = build_machine(PythonTarget(engine), faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(engine), MachineOptions(faults="none", concurrency=2))
     run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
     return run_machine(machine, run_settings, seed=seed, out=None, minimize=False)
 
@@ -170,5 +173,6 @@ def test_a_machine_with_lanes_never_flags_a_thread_safe_engine() -> None:
 
 def test_a_machine_refuses_a_concurrency_it_cannot_run() -> None:
     for bad in (0, 4, 2.0, "2"):
-        with pytest.raises(UsageError, match=f"concurrency must be a number of lanes from 1 to 3, got {bad!r}"):
-            build_machine(PythonTarget(LockedFake), concurrency=bad)  # type: ignore[arg-type]
+        expected = re.escape(f"concurrency (--concurrency) must be a number of lanes from 1 to 3, got {bad!r}")
+        with pytest.raises(UsageError, match=expected):
+            machine_for(LockedFake, concurrency=bad)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from hypothesis import settings
 from shardkit import DelegatingEngine, EngineCapabilities, FakeShardEngine, NumpyShardEngine, PipelineEngine, replay
 from shardkit._core.targets import PythonTarget, parse_target
 from shardkit._machine.build import build_machine
+from shardkit._machine.spec import MachineOptions
 from shardkit._planted.racy import RACY, FreeDuringPrefill, RacyEngine
 from shardkit._run.options import Budgets
 from shardkit._run.result import FuzzResult
@@ -26,7 +27,7 @@ FINDING_ONLY = Budgets(shrink_steps=3_000, shrink_examples=300)
 
 
 def fuzzed(engine: object, seed: int, examples: int, concurrency: int) -> FuzzResult:
-    machine = build_machine(parse_target(engine), faults="none", concurrency=concurrency)  # type: ignore[arg-type]
+    machine = build_machine(parse_target(engine), MachineOptions(faults="none", concurrency=concurrency))  # type: ignore[arg-type]
     run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
     return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)
 
@@ -52,7 +53,7 @@ def test_a_free_during_a_prefill_shrinks_to_the_two_racing_calls_and_replays(tmp
     20 replays at each of seeds 1-5 when measured. Either free shows it (a cancel or a
     release of the session the prefill opens), and which one the shrink keeps depends on
     how the threads were scheduled while it shrank: both are minimal."""
-    machine = build_machine(PythonTarget(FreeDuringPrefill), faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(FreeDuringPrefill), MachineOptions(faults="none", concurrency=2))
     run_settings = settings(max_examples=300, stateful_step_count=50, database=None, deadline=None)
     result = run_machine(machine, run_settings, seed=2, out=tmp_path)
     failure = result.failure
@@ -109,7 +110,7 @@ class OneThreadOnly(DelegatingEngine[FakeShardEngine]):
 
 def test_lanes_are_refused_to_an_engine_that_does_not_declare_them() -> None:
     with pytest.raises(ShardkitError, match="does not declare concurrent_calls in its capabilities"):
-        build_machine(PythonTarget(OneThreadOnly), concurrency=2).prepare()
+        build_machine(PythonTarget(OneThreadOnly), MachineOptions(concurrency=2)).prepare()
     build_machine(PythonTarget(OneThreadOnly)).prepare()  # one call at a time: nothing to declare
 
 
@@ -122,8 +123,12 @@ def test_an_isolated_engine_gets_lanes_as_it_declares_them() -> None:
 
     before = set(live_worker_pids())
     with pytest.raises(ShardkitError, match="does not declare concurrent_calls in its capabilities"):
-        build_machine(PythonTarget("tests.test_parallel_racy:OneThreadOnly"), concurrency=2, isolate=True).prepare()
+        build_machine(
+            PythonTarget("tests.test_parallel_racy:OneThreadOnly"), MachineOptions(concurrency=2, isolate=True)
+        ).prepare()
     assert set(live_worker_pids()) - before == set()
-    isolation = build_machine(PythonTarget("shardkit:FakeShardEngine"), concurrency=2, isolate=True).target.isolation
+    isolation = build_machine(
+        PythonTarget("shardkit:FakeShardEngine"), MachineOptions(concurrency=2, isolate=True)
+    ).target.isolation
     assert isolation is not None  # prepared: a worker serves the engine, which declares
     isolation.close()

@@ -20,6 +20,7 @@ from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
 from shardkit._machine.minimize import minimize_failure
 from shardkit._machine.observer import FailureReport
+from shardkit._machine.spec import MachineOptions
 from shardkit._parallel.phase import LINEARIZABILITY
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import run_machine
@@ -31,7 +32,7 @@ LOCKED = "shardkit:FakeShardEngine"
 
 
 def found(seed: int, out: Path) -> FuzzResult:
-    machine = build_machine(PythonTarget(DecodeCounterRaces), faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(DecodeCounterRaces), MachineOptions(faults="none", concurrency=2))
     run_settings = settings(max_examples=300, stateful_step_count=50, database=None, deadline=None)
     result = run_machine(machine, run_settings, seed=seed, out=out)
     assert result.failure is not None, f"the lost update was not found at seed {seed}"
@@ -106,7 +107,7 @@ def test_the_regression_test_repeats_the_phase(
 def test_the_minimiser_deletes_steps_from_the_lanes_and_the_steps_before() -> None:
     """From the concrete steps alone (no drawn choices): the prefills and the lane steps the
     race does not need go, each lane keeping its other steps."""
-    machine = build_machine(PythonTarget(DecodeCounterRaces), faults="none", concurrency=2)
+    machine = build_machine(PythonTarget(DecodeCounterRaces), MachineOptions(faults="none", concurrency=2))
     phase = phase_action(
         [
             [step_action("decode", "a", 0, 1, (3,)), Action("release", {"session": "b"})],
@@ -129,7 +130,10 @@ def test_a_phase_in_a_trace_is_checked_like_any_step(found_at_1: FuzzResult, tmp
     document = json.loads(result.trace_path.read_text())
     for bad, says in (
         ([], "must be a list of 1 to 8 lanes"),
-        ([[{"op": "health", "args": {}}]], "lanes[0][0].op must be one of ['cancel', 'decode', 'prefill', 'release'] in a lane"),
+        (
+            [[{"op": "health", "args": {}}]],
+            "lanes[0][0].op must be one of ['cancel', 'decode', 'prefill', 'release'] in a lane",
+        ),
         ([[{"op": "decode", "args": {"session": "a"}}]], "lanes[0][0].args"),
         ([[]], "lanes[0] must be a list of 1 to 1000 steps"),
     ):

@@ -36,6 +36,7 @@ from shardkit._core.driver import Driver, StepFailed
 from shardkit._core.steps import Action, step_action
 from shardkit._core.targets import IsolationOptions, parse_target
 from shardkit._machine.build import build_machine
+from shardkit._machine.spec import MachineOptions
 from shardkit._parallel.phase import run_parallel
 from shardkit._planted.dying import DyingEngine, HangsOnSecondDecode, SegfaultsOnDecodeAfterCancel
 from shardkit._planted.racy import DecodeCounterLostUpdate
@@ -131,7 +132,7 @@ def served(tmp_path: Path) -> Iterator[Callable[[object], EngineServer]]:
 
 
 def fuzzed(target: str, seed: int, examples: int, concurrency: int, **options: object) -> FuzzResult:
-    machine = build_machine(parse_target(target), faults="none", concurrency=concurrency, **options)  # type: ignore[arg-type]
+    machine = build_machine(parse_target(target), MachineOptions(faults="none", concurrency=concurrency, **options))  # type: ignore[arg-type]
     run_settings = settings(max_examples=examples, stateful_step_count=20, database=None, deadline=None)
     try:
         return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)
@@ -372,7 +373,9 @@ def test_a_worker_death_in_a_lane_is_the_failure_a_sequential_step_gets(
         assert violation.property == engine.PROPERTY, violation.message
         assert record.action.op == "parallel"
         assert record.expected == "an answer"
-        assert record.observed.startswith(f"engine process {'killed by SIGSEGV' if cancelled else f'missed its {engine.STEP_TIMEOUT:g} s'}")
+        assert record.observed.startswith(
+            f"engine process {'killed by SIGSEGV' if cancelled else f'missed its {engine.STEP_TIMEOUT:g} s'}"
+        )
         assert f"during step {record.index}, a parallel phase: no answer to " in record.observed
         assert f"{dies} decode(session='a', epoch=0, step={dies[1]}, tokens=[5])" in record.observed
         # Named: each lane's first call without an answer (its later calls found the worker gone).

@@ -36,7 +36,7 @@ ENTRY_POINTS = (
     "pytest_plugin.py",
     "_run/runner.py",
     "_run/suite.py",
-    "_run/options.py",
+    "_machine/spec.py",
     "_run/replay.py",
     "_run/trust.py",
     "_planted/traces.py",

@@ -14,11 +14,12 @@ from shardkit._bench.bare import bare_steps
 from shardkit._bench.settings import BenchSettings
 from shardkit._core.targets import PythonTarget
 from shardkit._machine.build import build_machine
+from shardkit._machine.spec import MachineOptions
 from shardkit._run.report import long_session_share, session_histogram
 from shardkit._run.result import FuzzResult
 from shardkit._run.runner import fuzz
 from shardkit._transport.resolve import resolve_target
-from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest
+from shardkit.contract import ROLES, DecodeRequest, LoadRequest, PrefillRequest, Role
 from shardkit.engines import FakeShardEngine
 from shardkit.errors import InvalidTarget
 
@@ -32,14 +33,14 @@ def measure_throughput(config: BenchSettings) -> dict[str, Any]:
     return {role: _role_throughput(config, role) for role in ROLES}
 
 
-def _role_throughput(config: BenchSettings, role: str) -> dict[str, Any]:
+def _role_throughput(config: BenchSettings, role: Role) -> dict[str, Any]:
     runs: list[FuzzResult] = []
 
     def kit() -> int:
         runs.append(fuzz(FakeShardEngine, seed=config.seed, examples=config.examples, steps=config.steps, role=role))
         return runs[-1].steps
 
-    machine = build_machine(PythonTarget(FakeShardEngine), role=role)
+    machine = build_machine(PythonTarget(FakeShardEngine), MachineOptions(role=role))
     timed = timing.interleaved(
         {
             "kit": partial(timing.timed, kit),

@@ -19,7 +19,6 @@ from shardkit._core.targets import (
     ResolvedTarget,
     Target,
     WorkerCommand,
-    check_step_timeout,
     parse_target,
 )
 from shardkit._transport.resolve import resolve_target
@@ -29,13 +28,14 @@ __all__ = ["contract_command", "replay_command", "serve_command"]
 
 
 def replay_command(args: argparse.Namespace) -> int:
+    from shardkit._machine.spec import check_option
     from shardkit._run.replay import replay
     from shardkit._run.report import failure_lines
     from shardkit._run.trace_reader import read_trace
     from shardkit._transport.isolation import target_with_options
 
     with for_command("replay"):
-        check_step_timeout(args.step_timeout)
+        check_option("step_timeout", args.step_timeout)
     named = parse_target(args.engine) if args.engine is not None else None
     check_isolation_options("replay", args, named)
     engine: Target | ResolvedTarget | None = named
@@ -97,10 +97,11 @@ def replay_command(args: argparse.Namespace) -> int:
 
 def contract_command(args: argparse.Namespace) -> int:
     from shardkit import assert_shard_engine_contract
+    from shardkit._machine.spec import check_option
     from shardkit._transport.isolation import target_with_options
 
     with for_command("contract"):
-        check_step_timeout(args.step_timeout)
+        check_option("step_timeout", args.step_timeout)
     given = parse_target(args.target) if args.target is not None else None
     check_isolation_options("contract", args, given)
     if args.worker_command is None and given is None:

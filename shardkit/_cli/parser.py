@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -13,10 +14,10 @@ from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EX
 from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, Target, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
-from shardkit.contract import FAULT_KINDS, ROLES
 from shardkit.errors import InvalidTarget, UsageError
 
 if TYPE_CHECKING:
+    from shardkit._machine.spec import Declared
     from shardkit._run.options import FuzzOptions
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "build_parser",
     "check_isolation_options",
     "database_options",
+    "declared_option",
     "for_command",
     "one_line",
 ]
@@ -44,15 +46,47 @@ def _bad_value(message: str) -> argparse.ArgumentError:
     return argparse.ArgumentError(None, message)
 
 
-def _lanes(text: str) -> int:
-    from shardkit._machine.parallel_rules import MAX_CONCURRENCY
+def _declared_type(declaration: Declared) -> Callable[[str], Any]:
+    """An option's argparse ``type``: its text read (``from_text``) and checked by the check
+    declared beside its field; a value it refuses is the command's usage error."""
 
-    if text not in [str(lanes) for lanes in range(1, MAX_CONCURRENCY + 1)]:
-        raise _bad_value(f"--concurrency must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {text!r}")
-    return int(text)
+    from shardkit._machine.spec import OptionValueError
+
+    def parse(text: str) -> Any:
+        value = declaration.from_text(text) if declaration.from_text is not None else text
+        try:
+            return declaration.check(value) if declaration.check is not None else value
+        except OptionValueError as error:
+            raise _bad_value(f"{declaration.flag} {error}, got {text!r}") from None
+
+    parse.__name__ = declaration.flag
+    return parse
 
 
-_lanes.__name__ = "--concurrency"
+def declared_option(command: argparse.ArgumentParser | Any, name: str, help: str | None = None, **changes: Any) -> None:
+    """Add the ``FuzzOptions`` option ``name`` to ``command`` (a parser or an argument group) as
+    its field declares it: flag, default, help text, choices and check; ``help`` and
+    ``changes`` (argparse's keywords) adapt it to a command."""
+    from shardkit._machine.spec import declared
+    from shardkit._run.options import FuzzOptions
+
+    declaration = declared(FuzzOptions, name)
+    default = next(each.default for each in fields(FuzzOptions) if each.name == name)
+    if name == "twins":  # the one option the command line turns off: --no-twins
+        command.add_argument(declaration.flag, action="store_true", help=help or declaration.help)
+        return
+    arguments: dict[str, Any] = {
+        "default": default,
+        "help": (help or declaration.help).format(default=default),
+        "metavar": declaration.metavar,
+    }
+    if declaration.choices is not None:
+        arguments["choices"] = list(declaration.choices)
+        arguments["default"] = "any" if default is None else default
+    elif declaration.from_text is not None:
+        # A value typed as text is checked where the options are made (the command's usage error).
+        arguments["type"] = _declared_type(declaration)
+    command.add_argument(declaration.flag, **(arguments | changes))
 
 
 def _positive_int(name: str) -> type[int]:
@@ -79,7 +113,7 @@ def _seed(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    """A number; which numbers of seconds a run takes is ``check_step_timeout``'s to say."""
+    """A number; which numbers of seconds a run takes is the option's check to say (``shardkit._machine.spec``)."""
     try:
         return float(text)
     except ValueError:
@@ -134,6 +168,9 @@ def run_options(command: str, args: argparse.Namespace, **only_fuzz: Any) -> Fuz
 
 
 def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = False) -> None:
+    from shardkit._machine.spec import declared
+    from shardkit._run.options import FuzzOptions
+
     group = command.add_argument_group("isolation (the grpc extra)")
     if replaying:
         group.add_argument(
@@ -148,28 +185,15 @@ def _isolation_options(command: argparse.ArgumentParser, *, replaying: bool = Fa
             action="store_true",
             help="run the engine in a worker process: a crash, hang or memory blow-up becomes a reported failure",
         )
+    worker_command = declared(FuzzOptions, "worker_command")
+    replaces = "; replaces the recorded engine" if replaying else ""
+    # Checked where it becomes a WorkerCommand (check_isolation_options), as replay's and contract's is.
     group.add_argument(
-        "--worker-command",
-        default=None,
-        metavar="CMD",
-        help="the engine is this command, in any language, serving contract v1 on the address the kit puts in "
-        "its {address}; the kit starts it as isolated workers (docs/any-language.md)"
-        + ("; replaces the recorded engine" if replaying else ""),
+        worker_command.flag, default=None, metavar=worker_command.metavar, help=worker_command.help.format() + replaces
     )
-    group.add_argument(
-        "--step-timeout",
-        type=_seconds,
-        default=None,
-        metavar="S",
-        help="seconds each engine call may take (isolated or grpc:// engines; default 5)",
-    )
-    group.add_argument(
-        "--worker-memory",
-        type=_positive_int("--worker-memory"),
-        default=None,
-        metavar="MB",
-        help="limit the worker's memory (RLIMIT_DATA) to MB MiB; needs --isolate or --worker-command",
-    )
+    # Any number here: which numbers of seconds a run takes is its check's to say.
+    declared_option(group, "step_timeout", type=_seconds)
+    declared_option(group, "worker_memory_mb")
 
 
 def database_options(command: argparse.ArgumentParser) -> None:
@@ -220,7 +244,6 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: Targ
 
 def build_parser() -> _Parser:
     from shardkit._bench.settings import BENCH_PLANTED_SEEDS
-    from shardkit._machine.parallel_rules import MAX_CONCURRENCY
     from shardkit._run.options import FuzzOptions
     from shardkit._run.replay import DEFAULT_REPLAY_RUNS
 
@@ -231,38 +254,17 @@ def build_parser() -> _Parser:
 
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
     fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
-    fuzz.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
-    fuzz.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples to run ({defaults.examples})")
-    fuzz.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
+    declared_option(fuzz, "role")
+    declared_option(fuzz, "examples")
+    declared_option(fuzz, "steps")
     fuzz.add_argument(
         "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
     )
-    fuzz.add_argument(
-        "--faults",
-        default=defaults.faults,
-        help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}",
-    )
-    fuzz.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
-    fuzz.add_argument(
-        "--reference",
-        default=None,
-        metavar="TARGET",
-        help="build the twin oracle from this engine instead: fuzz TARGET differentially against it",
-    )
-    fuzz.add_argument(
-        "--machine",
-        default=None,
-        metavar="MODULE:CLASS",
-        help="fuzz with this ShardMachine subclass: the rules and model extended for a backend (docs/extending.md)",
-    )
-    fuzz.add_argument(
-        "--concurrency",
-        type=_lanes,
-        default=defaults.concurrency,
-        metavar="N",
-        help="end examples with N lanes of calls sent at the same time, checked for linearizability "
-        f"(1 to {MAX_CONCURRENCY}; default {defaults.concurrency}: none); the engine must declare concurrent_calls",
-    )
+    declared_option(fuzz, "faults")
+    declared_option(fuzz, "twins")
+    declared_option(fuzz, "reference")
+    declared_option(fuzz, "base", default=None)  # None: FuzzOptions' own default
+    declared_option(fuzz, "concurrency")
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
     fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
@@ -274,12 +276,12 @@ def build_parser() -> _Parser:
     campaign.add_argument("--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)")
     campaign.add_argument("--minutes", type=_minutes, required=True, metavar="M", help="start rounds for M minutes; rounds in flight then finish")
     campaign.add_argument("--seed", type=_seed, default=None, help="seed the rounds' seeds derive from, or random (default: chosen and printed)")
-    campaign.add_argument("--examples", type=_positive_int("--examples"), default=defaults.examples, help=f"examples per round ({defaults.examples})")
-    campaign.add_argument("--steps", type=_positive_int("--steps"), default=defaults.steps, help=f"steps per example ({defaults.steps})")
-    campaign.add_argument("--role", choices=[*ROLES, "any"], default="any", help="shard role to load (default: any)")
-    campaign.add_argument("--faults", default=defaults.faults, help=f"all, none, or a comma-separated list of {', '.join(FAULT_KINDS)}")
-    campaign.add_argument("--no-twins", action="store_true", help="skip the twin oracle (faster, finds less)")
-    campaign.add_argument("--concurrency", type=_lanes, default=defaults.concurrency, metavar="N", help="lanes of calls sent at the same time, as for fuzz")
+    declared_option(campaign, "examples", help="examples per round ({default})")
+    declared_option(campaign, "steps")
+    declared_option(campaign, "role")
+    declared_option(campaign, "faults")
+    declared_option(campaign, "twins")
+    declared_option(campaign, "concurrency", help="lanes of calls sent at the same time, as for fuzz")
     campaign.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     campaign.add_argument("--report", type=Path, default=None, help="write the merged report (JSON) here")
     campaign.add_argument("--html", type=Path, default=None, help="write the merged report as an HTML page here")
@@ -310,8 +312,8 @@ def build_parser() -> _Parser:
     bench = commands.add_parser("bench", help="measure throughput, time-to-find and shrink quality")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     # Sizes default to None: --quick picks smaller ones, and a size given beside it still applies.
-    bench.add_argument("--examples", type=_positive_int("--examples"), default=None, help=f"examples per run ({defaults.examples})")
-    bench.add_argument("--steps", type=_positive_int("--steps"), default=None, help=f"steps per example ({defaults.steps})")
+    declared_option(bench, "examples", default=None, help=f"examples per run ({defaults.examples})")
+    declared_option(bench, "steps", default=None, help=f"steps per example ({defaults.steps})")
     bench.add_argument("--seed", type=_seed, default=1, help="seed of every run (1)")
     bench.add_argument(
         "--rounds",
@@ -370,13 +372,7 @@ def build_parser() -> _Parser:
         help="serve as --isolate's worker: an engine exception ends the process (exit 70, 71 for MemoryError) "
         "as a native crash would, and the process ends when its stdin closes",
     )
-    serve.add_argument(
-        "--worker-memory",
-        type=_positive_int("--worker-memory"),
-        default=None,
-        metavar="MB",
-        help="limit this process's memory (RLIMIT_DATA) to MB MiB",
-    )
+    declared_option(serve, "worker_memory_mb", help="limit this process's memory (RLIMIT_DATA) to MB MiB")
     serve.add_argument(
         "--max-engines",
         type=_positive_int("--max-engines"),

@@ -48,7 +48,6 @@ __all__ = [
     "Target",
     "WorkerCommand",
     "check_seconds",
-    "check_step_timeout",
     "describe_exception",
     "engine_target",
     "import_target",
@@ -79,16 +78,6 @@ def check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         message = f"{name} must be a finite number of seconds > 0, got {value!r}"
         raise ValueError(message)
-
-
-def check_step_timeout(value: float | None) -> None:
-    """Refuse (``UsageError`` naming ``step_timeout`` and ``--step-timeout``) a deadline a run's
-    options cannot take: one outside (0, ``MAX_STEP_TIMEOUT``] seconds. ``None`` is the default."""
-    if value is not None and not 0 < value <= MAX_STEP_TIMEOUT:
-        message = (
-            f"step_timeout (--step-timeout) must be a number of seconds in (0, {MAX_STEP_TIMEOUT:g}], got {value!r}"
-        )
-        raise UsageError(message)
 
 
 def worker_command_argv(command: str) -> list[str]:

@@ -193,8 +193,11 @@ class ShardMachine(RuleBasedStateMachine):
     TestCase = SuiteTestCase()  # type: ignore[assignment]  # Hypothesis types its own TestCase class; ours runs the kit's run
 
     driver: Driver
-    #: The options machine_for built this class with, so pytest can rebuild it for another engine.
-    build_options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    #: The ``MachineOptions`` ``build_machine`` built this class with (None: not built), so
+    #: that pytest can rebuild it for another engine and a run's identity names its machine
+    #: and model. Read it with ``shardkit._machine.spec.options_of``, which types it (the
+    #: options module imports this one, so this one cannot name the type).
+    _options: ClassVar[object] = None
     #: What the machine learns from its engine on first use (see ``prepare``).
     setup: ClassVar[MachineSetup]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardkit._core.outcomes import StepRecord, Violation
 from shardkit._core.targets import IsolationOptions, parse_target
-from shardkit._machine.build import parse_faults
+from shardkit._machine.spec import parse_faults
 from shardkit._planted.minimal import Step, actions, load_request_for
 from shardkit._run.trace import trace_document
 from shardkit.contract import ShardEngine

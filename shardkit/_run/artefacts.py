@@ -27,6 +27,7 @@ from hypothesis.database import ExampleDatabase
 from shardkit._core.model import ReferenceModel
 from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import time_independent
+from shardkit._machine.spec import options_of
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.regression import regression_test_source
 from shardkit._run.trace import trace_document, write_atomically, write_new
@@ -46,9 +47,8 @@ def machine_identity(machine: type[ShardMachine]) -> str:
     module_part, colon, attr = target.rpartition(":")
     if colon and module_part.endswith(".py"):
         target = f"{_project_path(Path(module_part))}:{attr}"
-    options = machine.build_options
-    base = options.get("base", ShardMachine)
-    model = options.get("model", ReferenceModel)
+    options = options_of(machine)
+    base, model = options.base, options.model_factory
     reference = machine.reference.name if machine.reference is not None else None
     parts = [
         target,

@@ -1,33 +1,21 @@
-"""``FuzzOptions``: what a fuzz run does, validated once. The CLI, ``fuzz`` and the printed
-rerun command read it, so each default and each check is written here and nowhere else."""
+"""``FuzzOptions``: what a fuzz run does, validated once: the machine's options
+(``MachineOptions``) and the run's budget. The CLI, ``fuzz`` and the printed rerun command
+read it; each option's default, help text and check is written beside its field, here or
+in ``shardkit._machine.spec``, and nowhere else."""
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from shardkit._core.importing import import_named
-from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import (
-    EngineFactory,
-    IsolationOptions,
-    ResolvedTarget,
-    Target,
-    WorkerCommand,
-    check_step_timeout,
-    typed_target,
-    worker_command_argv,
-)
-from shardkit._machine.build import parse_faults
-from shardkit._machine.parallel_rules import MAX_CONCURRENCY
+from shardkit._core.targets import IsolationOptions, Target, WorkerCommand, worker_command_argv
 from shardkit._machine.profiles import DEFAULT_EXAMPLES, DEFAULT_STEPS
+from shardkit._machine.spec import MachineOptions, OptionValueError, declare, int_from_text, positive_int
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._public import settle
 from shardkit._run.database import DatabaseChoice, parse_database
 from shardkit._run.trace import importable_name
-from shardkit.contract import FAULT_KINDS, ROLES, Role
 from shardkit.errors import InvalidTarget, UsageError
 
 __all__ = ["DEFAULT_BUDGETS", "Budgets", "FuzzOptions"]
@@ -60,10 +48,22 @@ class Budgets:
 DEFAULT_BUDGETS = Budgets()
 
 
-@dataclass(frozen=True)
-class FuzzOptions:
+def _worker_command(command: str | None) -> str | None:
+    if command is not None:
+        try:
+            worker_command_argv(command)
+        except InvalidTarget as error:
+            raise OptionValueError(str(error), after_colon=True) from None
+    return command
+
+
+@dataclass(frozen=True, kw_only=True)
+class FuzzOptions(MachineOptions):
     """The options of one ``fuzz`` run (the CLI's ``shardkit fuzz`` options, by the same
-    names). Invalid values raise ``UsageError`` naming the option and the fix.
+    names): the machine's (``MachineOptions``: ``role``, ``faults``, ``twins``,
+    ``reference``, ``model``, ``base``, ``isolate``, ``step_timeout``,
+    ``worker_memory_mb``, ``concurrency``) and the run's. Invalid values raise
+    ``UsageError`` naming the option and the fix.
 
     ``role``: "head", "middle", "tail", "full", or None/"any" to draw one per example.
     ``faults``: "all", "none", or kinds ("delay,crash" or a list); True and False mean
@@ -82,43 +82,31 @@ class FuzzOptions:
     without saving (docs/scaling.md#database).
     """
 
-    examples: int = DEFAULT_EXAMPLES
-    steps: int = DEFAULT_STEPS
-    role: Role | None = None
-    faults: str = "all"
-    twins: bool = True
-    reference: str | EngineFactory | ResolvedTarget | None = None
-    isolate: bool | IsolationOptions = False
-    step_timeout: float | None = None
-    worker_memory_mb: int | None = None
-    worker_command: str | None = None
-    model: Callable[[], ReferenceModel] | None = None
-    base: type[ShardMachine] | str = ShardMachine
+    examples: int = field(
+        default=DEFAULT_EXAMPLES,
+        metadata=declare("--examples", "examples to run ({default})", check=positive_int(), from_text=int_from_text),
+    )
+    steps: int = field(
+        default=DEFAULT_STEPS,
+        metadata=declare("--steps", "steps per example ({default})", check=positive_int(), from_text=int_from_text),
+    )
+    worker_command: str | None = field(
+        default=None,
+        metadata=declare(
+            "--worker-command",
+            "the engine is this command, in any language, serving contract v1 on the address the kit puts in "
+            "its {{address}}; the kit starts it as isolated workers (docs/any-language.md)",
+            check=_worker_command,
+            metavar="CMD",
+        ),
+    )
     minimize: bool = True
     budgets: Budgets = DEFAULT_BUDGETS
-    concurrency: int = 1
     database: str | DatabaseChoice = "none"
     database_read_only: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("examples", "steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                message = f"{name} (--{name}) must be a positive integer, got {value!r}"
-                raise UsageError(message)
-        role: Any = self.role
-        if role == "any":
-            object.__setattr__(self, "role", None)
-        elif role is not None and role not in ROLES:
-            message = f"role (--role) must be one of {', '.join(ROLES)} or 'any', got {role!r}"
-            raise UsageError(message)
-        object.__setattr__(self, "faults", _canonical_faults(self.faults))
-        object.__setattr__(self, "base", _machine_class(self.base))
-        check_step_timeout(self.step_timeout)
-        concurrency: Any = self.concurrency
-        if concurrency not in range(1, MAX_CONCURRENCY + 1) or isinstance(concurrency, bool | float):
-            message = f"concurrency (--concurrency) must be a number of lanes from 1 to {MAX_CONCURRENCY}, got {concurrency!r}"
-            raise UsageError(message)
+        super().__post_init__()
         database = parse_database(self.database) if isinstance(self.database, str) else self.database
         if self.database_read_only:
             if database.kind == "none":
@@ -127,15 +115,6 @@ class FuzzOptions:
             database = replace(database, read_only=True)
         object.__setattr__(self, "database", database)
         object.__setattr__(self, "database_read_only", database.read_only)
-        memory = self.worker_memory_mb
-        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
-            message = f"worker_memory_mb (--worker-memory) must be a positive number of MiB, got {memory!r}"
-            raise UsageError(message)
-        if self.worker_command is not None:
-            try:
-                worker_command_argv(self.worker_command)
-            except InvalidTarget as error:
-                raise UsageError(f"worker_command (--worker-command): {error}") from None
 
     @classmethod
     def from_fields(cls, options: FuzzOptions | None, changes: dict[str, Any]) -> FuzzOptions:
@@ -146,22 +125,6 @@ class FuzzOptions:
             message = f"unknown fuzz option(s) {', '.join(unknown)}; the options are: {', '.join(sorted(known))}"
             raise UsageError(message)
         return replace(options if options is not None else cls(), **changes)
-
-    def machine_options(self) -> dict[str, Any]:
-        """The keyword arguments ``build_machine`` takes from these options (the engine itself
-        comes from ``engine_target``, which reads ``worker_command``)."""
-        return {
-            "role": self.role,
-            "faults": self.faults,
-            "twins": self.twins,
-            "reference": typed_target(self.reference) if self.reference is not None else None,
-            "model": self.model,
-            "base": self.base,
-            "isolate": self.isolate,
-            "step_timeout": self.step_timeout,
-            "worker_memory_mb": self.worker_memory_mb,
-            "concurrency": self.concurrency,
-        }
 
     def command(self, target: Target, seed: int, reference: Target | None, isolation: IsolationOptions | None) -> str:
         """The ``shardkit fuzz`` command line of this run: the options that differ from the
@@ -211,34 +174,6 @@ class FuzzOptions:
             model = getattr(self.model, "__qualname__", repr(self.model))
             return f"  # needs the model {model}: set it as the machine's model_factory to rerun from here"
         return f" --machine {shlex.quote(machine)}" if machine is not None else ""
-
-
-def _machine_class(base: object) -> type[ShardMachine]:
-    """The ``ShardMachine`` subclass ``base`` is or names (``module:Class``, ``file.py:Class``)."""
-    found = (
-        import_named(base, "--machine", "'package.module:Machine' or 'path/to/file.py:Machine'")
-        if isinstance(base, str)
-        else base
-    )
-    if not (isinstance(found, type) and issubclass(found, ShardMachine)):
-        what = f"--machine {base!r} names" if isinstance(base, str) else "base (--machine) is"
-        message = f"{what} {found!r}, not a ShardMachine subclass; name the class that extends shardkit.ShardMachine"
-        raise UsageError(message)
-    return found
-
-
-def _canonical_faults(faults: bool | str | Iterable[str]) -> str:
-    """ "all", "none", or the kinds in the contract's order joined by commas."""
-    try:
-        kinds = parse_faults(faults)
-    except ValueError:
-        message = f"faults (--faults) must be 'all', 'none' or a comma-separated list of {', '.join(FAULT_KINDS)}, got {faults!r}"
-        raise UsageError(message) from None
-    if faults is True or faults == "all":
-        return "all"
-    if not kinds:
-        return "none"
-    return ",".join(kind for kind in FAULT_KINDS if kind in kinds)
 
 
 settle(__name__, globals())

@@ -358,9 +358,7 @@ def _lane_fields(lanes: Sequence[Sequence[Action]], message: str) -> list[list[d
 
 def _options_fields(options: FuzzOptions) -> dict[str, Any]:
     """The run's options by their ``FuzzOptions`` names, as JSON."""
-    reference = options.reference
-    if reference is not None and not isinstance(reference, str):
-        reference = getattr(reference, "name", None) or importable_name(reference) or repr(reference)
+    reference = options.reference.name if options.reference is not None else None
     base = options.base
     machine = importable_name(base) if isinstance(base, type) and base is not ShardMachine else None
     return {

@@ -321,7 +321,7 @@ def fuzz(
     trace and regression test under ``out`` (if given). The worker processes an isolated
     run starts end with it. ``target`` is None when the options name a ``worker_command``."""
     options = FuzzOptions.from_fields(options, changes)
-    machine = build_machine(engine_target(target, options.worker_command), **options.machine_options())
+    machine = build_machine(engine_target(target, options.worker_command), options)
     isolation = machine.target.isolation
     started_workers = isolation is not None and not (
         isinstance(target, ResolvedTarget) and target.isolation is isolation

@@ -15,10 +15,11 @@ from pathlib import Path
 from hypothesis import settings
 
 from shardkit._core.model import ReferenceModel
-from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target, typed_target
+from shardkit._core.targets import EngineFactory, IsolationOptions, ResolvedTarget, Target, engine_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import suite_settings
+from shardkit._machine.spec import MachineOptions, options_of
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._public import settle
 from shardkit._run.artefacts import Artefacts, machine_identity
@@ -100,22 +101,26 @@ def machine_for(
     as isolated workers, whose deaths are failures like an isolated engine's
     (docs/any-language.md).
     """
-    return build_machine(
-        engine_target(target_or_factory, worker_command),
-        role=role,
-        faults=faults,
+    options = MachineOptions(
+        role=role,  # type: ignore[arg-type]  # MachineOptions reads "any" as None
+        faults=faults,  # type: ignore[arg-type]  # MachineOptions makes it canonical
         twins=twins,
-        reference=typed_target(reference) if reference is not None else None,
+        reference=reference,  # type: ignore[arg-type]  # typed by MachineOptions
         model=model,
         base=base,
-        name=name,
         isolate=isolate,
         step_timeout=step_timeout,
         worker_memory_mb=worker_memory_mb,
-        suite_runner=run_as_test,
         concurrency=concurrency,
-        fuzzer_failures=keep_fuzzer_failures,
     )
+    return _suite_machine(engine_target(target_or_factory, worker_command), options, name)
+
+
+def _suite_machine(
+    target: Target | ResolvedTarget, options: MachineOptions, name: str | None = None
+) -> type[ShardMachine]:
+    """A machine whose ``TestCase`` runs as ``run_as_test`` says and whose failures under a fuzzer are kept."""
+    return build_machine(target, options, name=name, suite_runner=run_as_test, fuzzer_failures=keep_fuzzer_failures)
 
 
 def suite_seed(machine: type[ShardMachine], derandomized: bool) -> int:
@@ -164,7 +169,7 @@ def run_as_test(machine: type[ShardMachine], test: unittest.TestCase) -> None:
     explicit = getattr(test, "settings", None)
     try:
         if overrides.engine is not None:
-            machine = machine_for(overrides.engine, **machine.build_options)
+            machine = _suite_machine(engine_target(overrides.engine, None), options_of(machine))
         run_settings, _ = suite_settings(explicit if isinstance(explicit, settings) else None)
         if overrides.seed is not None:
             base_seed = overrides.seed

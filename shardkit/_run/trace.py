@@ -210,10 +210,11 @@ def machine_fields(machine: type[ShardMachine] | None) -> dict[str, str | None]:
     if machine is None:
         return {}
     from shardkit._core.model import ReferenceModel
+    from shardkit._machine.spec import options_of
     from shardkit._machine.state_machine import ShardMachine
 
     # machine_for (and the runner's probes) subclass the user's class: record the one the user wrote.
-    base = machine.build_options.get("base", machine) if machine.build_options else machine
+    base = options_of(machine).base if machine._options is not None else machine
     model = machine.model_factory
     fields: dict[str, str | None] = {}
     problems = []
