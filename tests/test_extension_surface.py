@@ -290,3 +290,63 @@ def test_a_type_checker_follows_the_users_own_types(tmp_path: Any) -> None:
     assert 'Argument "engine_type" to "CustomOp" has incompatible type "type[FakeShardEngine]"' in out, out
     assert 'Argument "model_type" to "CustomOp" has incompatible type "type[ReferenceModel]"' in out, out
     assert "Found 2 errors" in out, out
+
+
+# --- What a ShardMachine subclass sees ----------------------------------------------------------
+
+#: The helpers docs/extending.md documents for a subclass's rules; every other name the kit
+#: gives ``ShardMachine`` starts with ``_``, so it never shares a namespace with a user's rules.
+DOCUMENTED_HELPERS = frozenset(
+    {
+        "session_id",
+        "position",
+        "sessions",
+        "capabilities",
+        "chunk",
+        "token",
+        "room",
+        "history_tokens",
+        "run",
+        "custom_ops",
+        "model_factory",
+        "prepare",
+        "TestCase",
+        "teardown",
+    }
+)
+
+
+def public_helpers(machine: type) -> frozenset[str]:
+    """The names without an underscore a machine class adds to Hypothesis's own, less its rules."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    from shardkit._machine.hypothesis_adapter import rules_and_initializers
+
+    rules, initializers = rules_and_initializers(machine)
+    rule_names = {name for name, _, _ in (*rules, *initializers)}
+    hypothesis_names = {name for name in dir(RuleBasedStateMachine) if name not in ("TestCase", "teardown")}
+    public = {name for name in dir(machine) if not name.startswith("_")}
+    return frozenset(public - hypothesis_names - rule_names)
+
+
+def test_a_subclass_sees_its_rules_and_only_the_documented_helpers() -> None:
+    from shardkit import ShardMachine
+
+    assert public_helpers(ShardMachine) == DOCUMENTED_HELPERS
+
+
+def test_each_documented_helper_is_in_the_guide_for_extenders() -> None:
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    assert [name for name in sorted(DOCUMENTED_HELPERS) if f"`{name}" not in guide and f".{name}" not in guide] == []
+
+
+def test_a_public_helper_the_kit_adds_is_seen() -> None:
+    """Self-test: a name without an underscore on the machine, not a rule, is caught."""
+    from shardkit import ShardMachine
+
+    class Leaky(ShardMachine):
+        def driver_state(self) -> None: ...
+
+    assert public_helpers(Leaky) == DOCUMENTED_HELPERS | {"driver_state"}

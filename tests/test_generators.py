@@ -42,32 +42,32 @@ def started(target: object = FakeShardEngine, faults: str = "none") -> ShardMach
 
 
 def last_action(machine: ShardMachine) -> tuple[str, dict[str, object], str]:
-    record = machine.driver.records[-1]
+    record = machine._driver.records[-1]
     return record.action.op, dict(record.action.args), record.outcome
 
 
 def test_chunk_lengths_are_sized_to_the_engine() -> None:
     small, big = started(), started(big_fake)
-    assert [small.chunk_length(code, small.room()) for code in range(8)] == [1, 2, 3, 8, 17, 32, 64, 65]
-    assert [big.chunk_length(code, big.room()) for code in range(8)] == [1, 2, 3, 8, 1025, 2048, 4096, 4097]
+    assert [small._chunk_length(code, small.room()) for code in range(8)] == [1, 2, 3, 8, 17, 32, 64, 65]
+    assert [big._chunk_length(code, big.room()) for code in range(8)] == [1, 2, 3, 8, 1025, 2048, 4096, 4097]
     big.prefill(session=0, chunk=5)  # 2 048 tokens: a long prefill is one small integer away
     assert last_action(big)[2] == "OK"
-    assert big.driver.model.kv_tokens == 2048
+    assert big._driver.model.kv_tokens == 2048
     # "Exactly the remaining budget" follows what is left, and fills it.
     big.prefill(session=0, chunk=6)
     assert last_action(big)[2] == "OK"
-    assert big.driver.model.kv_tokens == 4096
+    assert big._driver.model.kv_tokens == 4096
 
 
 def test_one_small_integer_fills_the_fakes_budget_exactly() -> None:
     """The planted capacity bugs rely on it: prefill(b, tokens=64 of them) is chunk code 6."""
     machine = started()
-    assert len(machine.chunk(6, "a")) == machine.driver.caps.max_kv_tokens
+    assert len(machine.chunk(6, "a")) == machine._driver.caps.max_kv_tokens
 
 
 def test_chunks_make_prefix_families_repeats_and_use_both_ends_of_the_vocabulary() -> None:
     machine = started(big_fake)
-    vocab = machine.driver.caps.vocab_size
+    vocab = machine._driver.caps.vocab_size
     machine.prefill(session=0, chunk=3)  # 'a': the low ramp, 8 tokens
     a = machine.history_tokens("a")
     assert a == (0, 3, 6, 9, 12, 15, 18, 21)
@@ -124,13 +124,13 @@ def test_most_cancels_name_the_session_at_its_own_epoch() -> None:
 def test_decode_run_grows_one_session_long_in_one_rule_one_step_per_call() -> None:
     machine = started()
     machine.prefill(session=0, chunk=0)
-    before = len(machine.driver.records)
+    before = len(machine._driver.records)
     machine.decode_run(session=0, length=2, token=0)
-    assert len(machine.driver.records) - before == 32
+    assert len(machine._driver.records) - before == 32
     assert machine.position("a") == (0, 33)
     machine.decode_run(session=0, length=3, token=0)  # as many as the budget leaves room for
-    assert machine.driver.model.kv_tokens == machine.driver.caps.max_kv_tokens
-    assert machine.stats.longest_session == {63: 1}
+    assert machine._driver.model.kv_tokens == machine._driver.caps.max_kv_tokens
+    assert machine._stats.longest_session == {63: 1}
 
 
 def test_a_restart_of_an_unknown_id_opens_at_epoch_0_when_it_shrinks_to_0() -> None:
@@ -156,7 +156,7 @@ def test_resend_sends_a_ghost_of_a_released_session_and_of_one_lost_in_a_crash()
     machine.inject_fault(kind=0, value=0)  # the engine dies at its next call
     machine.decode(session=0, token=2)
     assert last_action(machine)[2] == "CRASH"
-    assert not machine.driver.logs  # the restarted engine's logs start again...
+    assert not machine._driver.logs  # the restarted engine's logs start again...
     machine.resend(session=0, back=0)  # ...the machine's do not: the decode lost in the crash
     op, args, outcome = last_action(machine)
     assert (op, args["session"], args["epoch"], args["step"], outcome) == ("decode", "a", 0, 2, "NOT_FOUND")

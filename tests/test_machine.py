@@ -132,7 +132,7 @@ def test_boundary_faults_are_injected_into_an_engine_that_supports_none() -> Non
             return replace(super().capabilities(), supported_faults=frozenset())
 
     machine = machine_for(NoNativeFaults, role="full", faults="all")
-    assert machine.fault_kinds == {"delay", "malformed_output", "crash"}
+    assert machine._fault_kinds == {"delay", "malformed_output", "crash"}
     result = fuzz(NoNativeFaults, seed=5, examples=100, steps=50, role="full", faults="all")
     assert result.failure is None, result.failure and result.failure.violation.message
     assert result.coverage[("prefill", "CRASH")] + result.coverage[("decode", "CRASH")] > 0
@@ -173,7 +173,7 @@ def test_building_a_machine_builds_no_engine_and_starts_no_worker() -> None:
     isolated = machine_for("shardkit:FakeShardEngine", isolate=True)
     assert built == []
     assert isolated.__name__ == "ShardMachine_FakeShardEngine_any"
-    assert machine.prepare().roles == ("full", "head", "tail", "middle")
+    assert machine.prepare()._roles == ("full", "head", "tail", "middle")
     assert built, "prepare() meets the engine"
 
 
@@ -200,7 +200,7 @@ def test_the_same_seed_gives_the_same_failure_and_steps() -> None:
 
 def test_without_twins_the_malformed_output_fault_is_left_out_or_refused() -> None:
     """Without twins a wrong output of a new history cannot be caught, so the fault would only cry wolf."""
-    assert "malformed_output" not in machine_for(FakeShardEngine, faults="all", twins=False).fault_kinds
+    assert "malformed_output" not in machine_for(FakeShardEngine, faults="all", twins=False)._fault_kinds
     with pytest.raises(ShardkitError, match="malformed_output fault needs the twin oracle"):
         machine_for(FakeShardEngine, faults="malformed_output,crash", twins=False)
 

@@ -129,6 +129,6 @@ def test_an_isolated_engine_gets_lanes_as_it_declares_them() -> None:
     assert set(live_worker_pids()) - before == set()
     isolation = build_machine(
         PythonTarget("shardkit:FakeShardEngine"), MachineOptions(concurrency=2, isolate=True)
-    ).target.isolation
+    )._target.isolation
     assert isolation is not None  # prepared: a worker serves the engine, which declares
     isolation.close()

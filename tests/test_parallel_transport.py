@@ -137,8 +137,8 @@ def fuzzed(target: str, seed: int, examples: int, concurrency: int, **options: o
     try:
         return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)
     finally:
-        if machine.target.isolation is not None:
-            machine.target.isolation.close()
+        if machine._target.isolation is not None:
+            machine._target.isolation.close()
 
 
 def decode_from_threads(engine: RemoteShardEngine, decodes: int, epoch: int = 0) -> None:

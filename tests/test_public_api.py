@@ -372,7 +372,7 @@ def test_a_machine_exposes_the_loaded_capabilities_and_a_read_only_view_of_the_s
     machine = machine_class()
     machine.load_engine(layout=0)
     try:
-        assert machine.capabilities == machine.driver.caps
+        assert machine.capabilities == machine._driver.caps
         assert (machine.capabilities.shard_start, machine.capabilities.shard_end) == (0, 3)
         assert dict(machine.sessions) == {}
         machine.prefill(session=0, chunk=0)

@@ -127,7 +127,7 @@ def test_a_machine_defined_in_a_function_is_said_not_to_replay_by_name(
     assert failure is not None
     machine = machine_for(RollbackKeepsTokens, role="full", model=RollbackModel, base=LocalRollback)
     document = trace_document(
-        target=machine.target.target,
+        target=machine._target.target,
         load_request=failure.load_request,
         faults=failure.faults,
         records=failure.records,
@@ -158,7 +158,7 @@ def test_a_model_that_is_a_lambda_is_said_not_to_replay_by_name(rollback_run: Fu
     assert failure is not None
     machine = machine_for(RollbackKeepsTokens, role="full", model=lambda: RollbackModel(), base=RollbackMachine)
     document = trace_document(
-        target=machine.target.target,
+        target=machine._target.target,
         load_request=failure.load_request,
         faults=failure.faults,
         records=failure.records,
@@ -176,7 +176,7 @@ def test_a_plain_machine_records_no_machine(rollback_run: FuzzResult) -> None:
     assert failure is not None
     machine = machine_for("shardkit:FakeShardEngine", role="full")
     document = trace_document(
-        target=machine.target.target,
+        target=machine._target.target,
         load_request=failure.load_request,
         faults=failure.faults,
         records=failure.records,

@@ -180,9 +180,9 @@ def test_contract_isolate_reports_a_python_engines_death_as_a_failed_check(capsy
 
 def test_a_suite_names_its_engine_by_worker_command() -> None:
     machine = machine_for(worker_command=command("cancel-keeps-kv"), role="full")
-    assert machine.target.target == WorkerCommand(command("cancel-keeps-kv"))
-    assert machine.target.isolation is not None
-    machine.target.isolation.close()
+    assert machine._target.target == WorkerCommand(command("cancel-keeps-kv"))
+    assert machine._target.isolation is not None
+    machine._target.isolation.close()
     with pytest.raises(UsageError, match="give one of them"):
         machine_for("shardkit:FakeShardEngine", worker_command=command())
     with pytest.raises(UsageError, match="name the engine to fuzz"):

@@ -75,18 +75,18 @@ def build_machine(
     setup = _Setup(target, options)
     namespace: dict[str, Any] = {
         "_options": options,
-        "setup": setup,
-        "role": options.role,
-        "use_twins": options.twins,
+        "_setup": setup,
+        "_role": options.role,
+        "_use_twins": options.twins,
         "model_factory": staticmethod(options.model_factory),
         **{name: _Prepared(name) for name in _Setup.PREPARED},
-        **({"suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
-        **({"fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
+        **({"_suite_runner": staticmethod(suite_runner)} if suite_runner is not None else {}),
+        **({"_fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
         **({"inject_fault": inject_fault} if options.wanted_faults else {}),
         # Only where bundles are sent: a head's or full shard's draws stay as they were.
         **({"extreme_values": extreme_values} if options.role in (None, "middle", "tail") else {}),
         **(parallel_rules(options.concurrency, base) if options.concurrency > 1 else {}),
-        "concurrency": options.concurrency,
+        "_concurrency": options.concurrency,
     }
     engine_name = re.sub(r"\W+", "_", _class_label(target)).strip("_")
     class_name = name or f"ShardMachine_{engine_name}_{options.role or 'any'}"
@@ -107,7 +107,7 @@ class _Setup:
     takes. Made on first use, so building a machine (importing a test module) builds no
     engine and starts no process; an option the engine cannot honour is reported then."""
 
-    PREPARED = ("target", "reference", "total_layers", "roles", "fault_kinds", "skipped_faults")
+    PREPARED = ("_target", "_reference", "_total_layers", "_roles", "_fault_kinds", "_skipped_faults")
 
     def __init__(self, target: Target | ResolvedTarget, options: MachineOptions) -> None:
         self.target, self.options = target, options
@@ -144,12 +144,12 @@ class _Setup:
             raise
         return MappingProxyType(
             {
-                "target": target,
-                "reference": reference,
-                "total_layers": caps.total_layers,
-                "roles": loadable,
-                "fault_kinds": fault_kinds,
-                "skipped_faults": skipped,
+                "_target": target,
+                "_reference": reference,
+                "_total_layers": caps.total_layers,
+                "_roles": loadable,
+                "_fault_kinds": fault_kinds,
+                "_skipped_faults": skipped,
             }
         )
 
@@ -161,7 +161,7 @@ class _Prepared:
         self.name = name
 
     def __get__(self, instance: object, owner: type[ShardMachine]) -> Any:
-        return owner.setup.values()[self.name]
+        return owner._setup.values()[self.name]
 
 
 def _checked_options(

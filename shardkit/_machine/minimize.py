@@ -13,7 +13,7 @@ made smaller while the *same* property is still violated:
    again, down to single steps, until no single deletion keeps the failure; a
    parallel phase that ends the failure loses single steps of its lanes too.
 
-Steps that hold a parallel phase replay up to ``phase_runs`` times each (a race
+Steps that hold a parallel phase replay up to ``_phase_runs`` times each (a race
 shows on some runs only), so their 1-minimality is up to that many runs.
 
 The result is 1-minimal under trace replay by construction, unless the replay
@@ -65,17 +65,17 @@ def replay_actions(
     machine: type[ShardMachine], failure: FailureReport, actions: Sequence[Action]
 ) -> FailureReport | None:
     """Run ``actions`` on a fresh engine; the failure they end in, if any. Steps that hold a
-    parallel phase run up to ``machine.phase_runs`` times, until one run fails."""
+    parallel phase run up to ``machine._phase_runs`` times, until one run fails."""
     driver = Driver(
-        machine.target,
+        machine._target,
         failure.load_request,
         faults=failure.faults,
-        twins=machine.use_twins,
-        reference=machine.reference,
+        twins=machine._use_twins,
+        reference=machine._reference,
         model_factory=machine.model_factory,
         custom_ops=machine.custom_ops,
     )
-    for ran, failed in replay_runs(driver, actions, machine.phase_runs):
+    for ran, failed in replay_runs(driver, actions, machine._phase_runs):
         if failed is not None:
             records = list(ran.records)
             return FailureReport(failed.violation, records, failure.load_request, failure.faults, notes=tuple(ran.notes))
@@ -162,7 +162,7 @@ def _lower_arguments(
 
 
 #: Replays of the shortest failure found before its steps are shrunk, when it holds a phase
-#: (each replay runs the phase up to ``phase_runs`` times).
+#: (each replay runs the phase up to ``_phase_runs`` times).
 REPRODUCE_TRIES = 3
 #: Delete-and-repair costs about (arguments × values) n² replays; beyond this many steps it is skipped.
 REPAIR_MAX_STEPS = 8
@@ -294,7 +294,7 @@ def minimize_failure(
     # A race with a low rate may miss one replay's runs of its phase: try it a few times.
     if not any(actions_fail(actions) for _ in range(REPRODUCE_TRIES if racy else 1)):
         unproven = (
-            f"its race did not show again in {REPRODUCE_TRIES * machine.phase_runs} runs of the phase"
+            f"its race did not show again in {REPRODUCE_TRIES * machine._phase_runs} runs of the phase"
             if racy
             else "its steps did not fail again when replayed"
         )

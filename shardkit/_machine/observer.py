@@ -84,4 +84,6 @@ class RunObserver:
 def observed(machine: MachineT, observer: RunObserver) -> MachineT:
     """``machine`` for one run, reporting to ``observer``. The subclass keeps the machine's
     name, so its identity (trace names, example-database keys) is the machine's."""
-    return cast("MachineT", type(machine.__name__, (machine,), {"observer": observer, "__qualname__": machine.__qualname__}))
+    return cast(
+        "MachineT", type(machine.__name__, (machine,), {"_observer": observer, "__qualname__": machine.__qualname__})
+    )

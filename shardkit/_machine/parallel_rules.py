@@ -67,7 +67,7 @@ def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, i
         elif name == "prefill" or opening:
             action = step_action("prefill", sid, epoch, step, machine.chunk(1, sid))
         elif name == "restart":
-            known = sid in machine.driver.model.sessions
+            known = sid in machine._driver.model.sessions
             action = step_action("prefill", sid, epoch + known, 0, machine.chunk(1, sid, restarting=known))
         elif name == "cancel":
             action = Action("cancel", {"session": sid, "epoch": epoch})
@@ -80,7 +80,7 @@ def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, i
 def _lane_session(machine: ShardMachine, choice: int, op: str) -> str:
     """A live session (a decode or prefill takes one that is not cancelled, when there is
     one: a race lives between calls that are served), or an unknown id."""
-    sessions = machine.driver.model.sessions
+    sessions = machine._driver.model.sessions
     live = list(sessions)
     if op in ("decode", "prefill"):
         live = [sid for sid in live if not sessions[sid].cancelled] or live
@@ -93,14 +93,14 @@ def _add(machine: ShardMachine, lane: int, op: int, session: int, offset: int | 
     """Add a step to ``lane`` counted from the next lane in turn, so that steps spread over
     the lanes, unless that lane holds ``LANE_LENGTH`` steps already; its session is counted
     from ``offset``, or from the lane it lands in."""
-    lanes = machine.lanes
+    lanes = machine._lanes
     index = (sum(len(held) for held in lanes) + lane) % len(lanes)
     if len(lanes[index]) < LANE_LENGTH:
         lanes[index].append((op, session, index if offset is None else offset))
 
 
 def _ready(machine: ShardMachine) -> bool:
-    return sum(1 for lane in machine.lanes if lane) >= 2 and machine.driver.armed_fault is None
+    return sum(1 for lane in machine._lanes if lane) >= 2 and machine._driver.armed_fault is None
 
 
 def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Callable[..., Any]]:
@@ -139,7 +139,7 @@ def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Call
         no injected fault waits for a call: a lane's call would take it at random): the
         example's last steps."""
         if _ready(self):  # the minimiser replays rules without their preconditions
-            self.run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self.lanes)])
+            self._run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self._lanes)])
 
     def teardown(self: ShardMachine) -> None:
         """An example whose lanes hold steps ends with their phase even when it did not draw
@@ -147,7 +147,7 @@ def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Call
         (swarm testing), which left three examples in four without a phase. Not after an
         example that ended by raising (a failed step): it has its failure already."""
         try:
-            if sys.exc_info()[0] is None and not self.phase_ran and "driver" in vars(self) and _ready(self):
+            if sys.exc_info()[0] is None and not self._phase_ran and "_driver" in vars(self) and _ready(self):
                 run_lanes(self)
         finally:
             base.teardown(self)

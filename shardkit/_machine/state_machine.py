@@ -76,9 +76,9 @@ LIVE_CHOICES = 6
 #: The choices of the rules that open sessions: enough that every id of ``SESSION_IDS``
 #: is one step away while it is unknown, however many sessions are live.
 OPENING_CHOICES = LIVE_CHOICES + len(SESSION_IDS)
-#: Chunk codes name a length (``chunk_length``) and one of these token patterns.
+#: Chunk codes name a length (``_chunk_length``) and one of these token patterns.
 CHUNK_PATTERNS = ("low ramp", "high ramp", "repeats", "follows a history")
-#: The lengths a chunk code names, before ``chunk_length`` sizes the last four to the engine.
+#: The lengths a chunk code names, before ``_chunk_length`` sizes the last four to the engine.
 CHUNK_LADDER = 8
 #: No chunk is longer, however large the engine's budget: one step must not allocate
 #: millions of tokens because an engine reports a budget that large.
@@ -118,9 +118,9 @@ def step_rule(**strategies: SearchStrategy[int]) -> Callable[[Callable[..., None
     def decorate(function: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(function)
         def record_then_run(self: ShardMachine, **arguments: int) -> None:
-            if self.phase_ran:
+            if self._phase_ran:
                 return  # a parallel phase ends the example (shardkit._parallel.phase)
-            self.choices.append(Choice(function.__name__, tuple(arguments.items())))
+            self._choices.append(Choice(function.__name__, tuple(arguments.items())))
             function(self, **arguments)
 
         # The minimiser reads the strategies here, not from Hypothesis's private rule records.
@@ -150,7 +150,7 @@ def layer_range(role: Role, total_layers: int, choice: int) -> tuple[int, int]:
 
 
 class MachineSetup(Protocol):
-    """What a machine learns from its engine on first use (``ShardMachine.setup``): the values
+    """What a machine learns from its engine on first use (``ShardMachine._setup``): the values
     of its prepared attributes by name. ``shardkit._machine.build`` makes it; the machine
     only asks for the values, so this module never imports the one that builds machines."""
 
@@ -160,46 +160,46 @@ class MachineSetup(Protocol):
 class ShardMachine(RuleBasedStateMachine):
     """Base of every machine ``machine_for`` builds; subclass it to add rules."""
 
-    target: ClassVar[ResolvedTarget]
-    role: ClassVar[Role | None] = None
-    fault_kinds: ClassVar[frozenset[str]] = frozenset()
+    _target: ClassVar[ResolvedTarget]
+    _role: ClassVar[Role | None] = None
+    _fault_kinds: ClassVar[frozenset[str]] = frozenset()
     #: Lanes of the parallel phase (1: none; see shardkit._machine.parallel_rules).
-    concurrency: ClassVar[int] = 1
-    #: Runs of a parallel phase before it counts as passing (``run_phase``).
-    phase_runs: ClassVar[int] = PHASE_RUNS
+    _concurrency: ClassVar[int] = 1
+    #: Runs of a parallel phase before it counts as passing (``_run_phase``).
+    _phase_runs: ClassVar[int] = PHASE_RUNS
     #: Kinds of ``--faults all`` the engine cannot take, each with why (the summary says so).
-    skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    use_twins: ClassVar[bool] = True
+    _skipped_faults: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    _use_twins: ClassVar[bool] = True
     #: Set on first use by each class itself (``_oracle_memo``), never inherited.
     _oracle_memo_store: ClassVar[MemoStore]
     #: Whether an example of this class has failed (set on the class itself).
     _failed: ClassVar[bool] = False
-    reference: ClassVar[ResolvedTarget | None] = None
+    _reference: ClassVar[ResolvedTarget | None] = None
     model_factory: ClassVar[Callable[[], ReferenceModel]] = ReferenceModel
     #: Operations a backend adds; subclasses list them here (see CustomOp).
     custom_ops: ClassVar[Mapping[str, CustomOp]] = {}
-    total_layers: ClassVar[int] = 1
-    roles: ClassVar[tuple[Role, ...]] = ("full",)
+    _total_layers: ClassVar[int] = 1
+    _roles: ClassVar[tuple[Role, ...]] = ("full",)
     #: The run this machine reports to; ``observed`` sets it for each run. Without one (a
     #: machine run by Hypothesis directly), each example counts on its own.
-    observer: ClassVar[RunObserver | None] = None
+    _observer: ClassVar[RunObserver | None] = None
     #: What its pytest ``TestCase`` runs: ``machine_for`` sets the kit's run (Hypothesis, then
     #: minimisation by replay, then the trace and regression test on disk).
-    suite_runner: ClassVar[SuiteRunner | None] = None
+    _suite_runner: ClassVar[SuiteRunner | None] = None
     #: What a failure becomes when a fuzzer such as HypoFuzz drives the machine directly
     #: (``fuzzing_machine``): ``machine_for`` sets the kit's, a trace of the shortest failure.
-    fuzzer_failures: ClassVar[FailureSink | None] = None
+    _fuzzer_failures: ClassVar[FailureSink | None] = None
     #: pytest's ``TestCase`` for the machine (collect it as ``TestMyEngine = Machine.TestCase``).
     TestCase = SuiteTestCase()  # type: ignore[assignment]  # Hypothesis types its own TestCase class; ours runs the kit's run
 
-    driver: Driver
+    _driver: Driver
     #: The ``MachineOptions`` ``build_machine`` built this class with (None: not built), so
     #: that pytest can rebuild it for another engine and a run's identity names its machine
     #: and model. Read it with ``shardkit._machine.spec.options_of``, which types it (the
     #: options module imports this one, so this one cannot name the type).
     _options: ClassVar[object] = None
     #: What the machine learns from its engine on first use (see ``prepare``).
-    setup: ClassVar[MachineSetup]
+    _setup: ClassVar[MachineSetup]
 
     @classmethod
     def prepare(cls) -> type[ShardMachine]:
@@ -207,10 +207,10 @@ class ShardMachine(RuleBasedStateMachine):
         its capabilities, and check the role and faults asked for against it. A run does it
         on first use; call it to report an option the engine cannot honour early. Returns
         the machine."""
-        if "setup" not in dir(cls):
+        if "_setup" not in dir(cls):
             message = f"{cls.__name__} has no engine: build it with shardkit.machine_for(TARGET, base=...)"
             raise UsageError(message)
-        cls.setup.values()
+        cls._setup.values()
         return cls
 
     @classmethod
@@ -228,31 +228,31 @@ class ShardMachine(RuleBasedStateMachine):
         return store
 
     @property
-    def stats(self) -> RunObserver:
+    def _stats(self) -> RunObserver:
         """The observer this example reports to."""
-        observer = type(self).observer
+        observer = type(self)._observer
         if observer is None:
             observer = self.__dict__.setdefault("_own_observer", RunObserver())
         return observer
 
     @initialize(layout=st.integers(0, 15), id_pool=st.integers(0, len(SESSION_ID_POOLS) - 1))
     def load_engine(self, layout: int, id_pool: int = 0) -> None:
-        self.layout = layout
-        self.id_pool = id_pool
-        self.choices: list[Choice] = []
+        self._layout = layout
+        self._id_pool = id_pool
+        self._choices: list[Choice] = []
         #: Each lane's drawn (op, session, offset) steps (``shardkit._machine.parallel_rules``).
-        self.lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(self.concurrency)]
-        self.phase_ran = False
-        roles = self.roles if self.role is None else (self.role,)
+        self._lanes: list[list[tuple[int, int, int]]] = [[] for _ in range(self._concurrency)]
+        self._phase_ran = False
+        roles = self._roles if self._role is None else (self._role,)
         role = roles[layout % len(roles)]
-        start, end = layer_range(role, self.total_layers, layout // len(roles))
-        request = LoadRequest("shardkit-fuzz", start, end, self.total_layers)
-        self.driver = Driver(
-            self.target,
+        start, end = layer_range(role, self._total_layers, layout // len(roles))
+        request = LoadRequest("shardkit-fuzz", start, end, self._total_layers)
+        self._driver = Driver(
+            self._target,
             request,
-            faults=self.fault_kinds,
-            twins=self.use_twins,
-            reference=self.reference,
+            faults=self._fault_kinds,
+            twins=self._use_twins,
+            reference=self._reference,
             model_factory=type(self).model_factory,
             custom_ops=self.custom_ops,
             memo=self._oracle_memo(),
@@ -260,23 +260,23 @@ class ShardMachine(RuleBasedStateMachine):
         #: The prefills and decodes this example's engines served or died on, by session id,
         #: oldest first, kept across releases, restarts and crashes (the driver's logs start
         #: again with each engine): what ``resend`` draws its ghosts from.
-        self.sent: dict[str, list[Action]] = {}
+        self._sent: dict[str, list[Action]] = {}
         #: The decodes accepted in each session's current epoch, with the model's state
         #: object they count for (a new object means the epoch was opened again).
         self._decodes: dict[str, tuple[SessionState, int]] = {}
         self._longest = 0
-        self.stats.examples += 1
-        self.stats.longest_session[0] += 1
-        if self.stats.shrink_stop_at_example is not None and self.stats.examples > self.stats.shrink_stop_at_example:
+        self._stats.examples += 1
+        self._stats.longest_session[0] += 1
+        if self._stats.shrink_stop_at_example is not None and self._stats.examples > self._stats.shrink_stop_at_example:
             stop_hypothesis()
-        if self.stats.on_example is not None:
-            self.stats.on_example(self.stats.examples, self.stats.steps, self.stats.failures_seen)
+        if self._stats.on_example is not None:
+            self._stats.on_example(self._stats.examples, self._stats.steps, self._stats.failures_seen)
 
     def teardown(self) -> None:
         """Let go of the engines, twins and memo as soon as the example ends: Hypothesis keeps
         recent machine instances reachable from its strategy cache, and a run's memory must
         not grow with its number of examples. Subclasses that override it call ``super()``."""
-        self.__dict__.pop("driver", None)
+        self.__dict__.pop("_driver", None)
 
     # --- helpers rules share -----------------------------------------------------------
 
@@ -286,18 +286,18 @@ class ShardMachine(RuleBasedStateMachine):
         driver keeps them; after an injected crash, the restarted engine's). A
         memory_pressure fault lowers the token limit the model enforces later
         (``ReferenceModel.max_kv_tokens``), not ``max_kv_tokens`` here."""
-        return self.driver.caps
+        return self._driver.caps
 
     @property
     def sessions(self) -> Mapping[str, SessionState]:
         """The model's sessions, by id, oldest first: a read-only view for rules to read
         (their state changes only through steps)."""
-        return MappingProxyType(self.driver.model.sessions)
+        return MappingProxyType(self._driver.model.sessions)
 
     def _count_caveats(self, stats: RunObserver) -> None:
         """Count each check the driver could not make once per example, as soon as it knows:
         the counts at the first failure are those of the examples run until then."""
-        caveats = self.driver.caveats
+        caveats = self._driver.caveats
         if caveats:
             counted: set[str] = self.__dict__.setdefault("_caveats_counted", set())
             stats.caveats.update(caveats - counted)
@@ -309,14 +309,14 @@ class ShardMachine(RuleBasedStateMachine):
         client's retry sends again; one refused is refused again, and keeping those would
         push the served ones out of ``resend``'s reach."""
         if action.op in STEP_OPS and outcome in ("OK", CRASHED):
-            sent = self.sent.setdefault(str(action.args["session"]), [])
+            sent = self._sent.setdefault(str(action.args["session"]), [])
             if not sent or sent[-1].args != action.args or sent[-1].op != action.op:
                 sent.append(action)
 
     def _count_decode(self, stats: RunObserver, session_id: str, before: int | None) -> None:
         """Count an accepted decode that advanced its session (a retry does not), and move
         the example up ``longest_session`` when this session is its longest so far."""
-        session = self.driver.model.sessions.get(session_id)
+        session = self._driver.model.sessions.get(session_id)
         if session is None or before is None or session.next_step != before + 1:
             return
         counted = self._decodes.get(session_id)
@@ -331,17 +331,17 @@ class ShardMachine(RuleBasedStateMachine):
 
     def run(self, action: Action) -> StepRecord:
         """Execute ``action``, counting coverage and keeping the failure, if any."""
-        stats = self.stats
+        stats = self._stats
         if stats.shrink_stop_at_step is not None and stats.steps >= stats.shrink_stop_at_step:
             stop_hypothesis()
         stats.steps += 1
         decoding = str(action.args["session"]) if action.op == "decode" else None
         before = None
         if decoding is not None:
-            session = self.driver.model.sessions.get(decoding)
+            session = self._driver.model.sessions.get(decoding)
             before = session.next_step if session is not None else None
         try:
-            record = self.driver.execute(action)
+            record = self._driver.execute(action)
         except StepFailed as failure:
             self._report_failure(failure, coverage_op(action))
             raise
@@ -354,24 +354,24 @@ class ShardMachine(RuleBasedStateMachine):
             event(f"{coverage_op(action)}→{record.outcome}")
         return record
 
-    def run_phase(self, lanes: list[list[Action]]) -> None:
+    def _run_phase(self, lanes: list[list[Action]]) -> None:
         """Run ``lanes`` at the same time (``shardkit._parallel.phase``) until a run fails, at
-        most ``phase_runs`` times: a race shows on some runs only. Each run after the first
+        most ``_phase_runs`` times: a race shows on some runs only. Each run after the first
         is on a fresh engine that first replays this example's steps. Nothing runs after."""
-        stats = self.stats
-        self.phase_ran = True
-        prefix = [record.action for record in self.driver.records]
-        for run in range(self.phase_runs):
+        stats = self._stats
+        self._phase_ran = True
+        prefix = [record.action for record in self._driver.records]
+        for run in range(self._phase_runs):
             if run:
-                self.driver = self.driver.fresh()
+                self._driver = self._driver.fresh()
             steps = [*(prefix if run else ()), phase_action(lanes)]
             stats.steps += (len(prefix) if run else 0) + sum(len(lane) for lane in lanes)
-            failed = replay_steps(self.driver, steps)
+            failed = replay_steps(self._driver, steps)
             if failed is not None:
                 self._report_failure(failed, coverage_op(failed.record.action))
                 raise failed
             self._count_caveats(stats)
-            for record in self.driver.records[len(prefix) :]:
+            for record in self._driver.records[len(prefix) :]:
                 stats.coverage[(coverage_op(record.action), record.outcome)] += 1
         # Once per example, whatever its runs: a passing run shows its lanes ran and were checked.
         stats.coverage[(PARALLEL_OP, "OK")] += 1
@@ -379,20 +379,20 @@ class ShardMachine(RuleBasedStateMachine):
     def _report_failure(self, failure: StepFailed, operation: str) -> None:
         """Count the failing step and keep the example's report (``stats.failure``)."""
         type(self)._failed = True  # no more sharing of the twins' answers (``_oracle_memo``)
-        stats = self.stats
+        stats = self._stats
         self._count_caveats(stats)
         if stats.only_property is not None and failure.violation.property != stats.only_property:
             reject()
         stats.coverage[(operation, "FAILED")] += 1
         stats.failure = FailureReport(
             failure.violation,
-            list(self.driver.records),
-            self.driver.load_request,
-            self.fault_kinds,
-            self.layout,
-            self.id_pool,
-            tuple(self.choices),
-            tuple(self.driver.notes),
+            list(self._driver.records),
+            self._driver.load_request,
+            self._fault_kinds,
+            self._layout,
+            self._id_pool,
+            tuple(self._choices),
+            tuple(self._driver.notes),
         )
         stats.failures_seen += 1
         if stats.shortest is None or len(stats.failure.records) < len(stats.shortest.records):
@@ -406,44 +406,44 @@ class ShardMachine(RuleBasedStateMachine):
         rules that open sessions draw up to ``OPENING_CHOICES - 1`` and so reach every one);
         with no live session every choice names an unknown id, 0 the first; with every id of
         the pool live, every choice names a live one."""
-        live = list(self.driver.model.sessions)
-        unknown = [session for session in SESSION_ID_POOLS[self.id_pool] if session not in live]
+        live = list(self._driver.model.sessions)
+        unknown = [session for session in SESSION_ID_POOLS[self._id_pool] if session not in live]
         if live and (choice < LIVE_CHOICES or not unknown):
             return live[choice % len(live)]
         return unknown[max(choice - LIVE_CHOICES, 0) % len(unknown) if live else choice % len(unknown)]
 
     def position(self, session_id: str) -> tuple[int, int]:
         """(epoch, next step) of a session, or (0, 0) for an unknown id."""
-        session = self.driver.model.sessions.get(session_id)
+        session = self._driver.model.sessions.get(session_id)
         return (session.epoch, session.next_step) if session is not None else (0, 0)
 
     def room(self, session_id: str | None = None, *, restarting: bool = False) -> int:
         """Tokens the cache can still take under the model's limit (a memory_pressure fault
         lowers it), counting those a restart of ``session_id`` would free."""
-        model = self.driver.model
+        model = self._driver.model
         freed = 0
         if restarting and session_id is not None:
             session = model.sessions.get(session_id)
             freed = session.kv_tokens if session is not None else 0
         return max(model.max_kv_tokens - model.kv_tokens + freed, 0)
 
-    def chunk_length(self, code: int, room: int) -> int:
+    def _chunk_length(self, code: int, room: int) -> int:
         """The length a chunk code names: 1, 2, 3, 8, then sized to the engine: a quarter
         plus one and half of its ``max_kv_tokens`` (the fake's 17 and 32; an engine with
         4 096 tokens gets 1 025 and 2 048), exactly ``room`` (fills the budget), and one
         over it (refused for capacity). Short ones first, so a shrunk chunk is short."""
-        most = self.driver.caps.max_kv_tokens
+        most = self._driver.caps.max_kv_tokens
         ladder = (1, 2, 3, 8, most // 4 + 1, most // 2, room, room + 1)
         return min(max(ladder[code % CHUNK_LADDER], 1), MAX_CHUNK)
 
     def history_tokens(self, session_id: str) -> tuple[int, ...]:
         """The token ids a live session's epoch has accepted, in order (for a middle or tail,
         the row codes of its bundles: ``shardkit._core.steps.row_code``); () for an unknown id."""
-        session = self.driver.model.sessions.get(session_id)
-        return flat_history(session, self.driver.caps) if session is not None else ()
+        session = self._driver.model.sessions.get(session_id)
+        return flat_history(session, self._driver.caps) if session is not None else ()
 
     def chunk(self, code: int, session: str | None = None, *, restarting: bool = False) -> tuple[int, ...]:
-        """One integer names a chunk for ``session``: its length (``chunk_length``, code % 8)
+        """One integer names a chunk for ``session``: its length (``_chunk_length``, code % 8)
         and its tokens (code // 8): a ramp from the low end of the vocabulary, one from the
         high end, a repeated motif using both ends, or tokens that follow the longest live
         history for all but the last token and then differ from it.
@@ -452,8 +452,8 @@ class ShardMachine(RuleBasedStateMachine):
         tokens and differ after them, which a prefix cache keyed on the first tokens (or on
         the length and a prefix) mixes up. The low ramp ([0], [0, 3], [0, 3, 6], …) and the
         repeats ([0, 0, V-1, …]) share their first token, so short families exist without it."""
-        vocab = self.driver.caps.vocab_size
-        length = self.chunk_length(code, self.room(session, restarting=restarting))
+        vocab = self._driver.caps.vocab_size
+        length = self._chunk_length(code, self.room(session, restarting=restarting))
         pattern = code // CHUNK_LADDER % len(CHUNK_PATTERNS)
         if pattern == 0:
             return tuple(index * 3 % vocab for index in range(length))
@@ -468,10 +468,10 @@ class ShardMachine(RuleBasedStateMachine):
         being restarted included) from where ``session``'s history ends, except the last,
         which differs from the one that history has there. Without such a history, the low
         ramp stands in for it."""
-        vocab = self.driver.caps.vocab_size
+        vocab = self._driver.caps.vocab_size
         own = 0 if restarting or session is None else len(self.history_tokens(session))
         source: tuple[int, ...] = ()
-        for other in self.driver.model.sessions:
+        for other in self._driver.model.sessions:
             if other != session or restarting:
                 tokens = self.history_tokens(other)
                 if len(tokens) > max(own, len(source)):
@@ -485,15 +485,15 @@ class ShardMachine(RuleBasedStateMachine):
         return tuple(shared)
 
     def token(self, code: int) -> int:
-        vocab = self.driver.caps.vocab_size
+        vocab = self._driver.caps.vocab_size
         return (0, vocab - 1, 1, 2, 3, 5, 8, 13)[code % 8] % vocab
 
-    def ghost_or_live(self, choice: int) -> str | None:
+    def _ghost_or_live(self, choice: int) -> str | None:
         """The session whose earlier requests ``resend`` sends again: choices 0-5 a live one,
         6 and up one this example sent requests for that holds no session now (released,
         or dropped by a crash), in the order they were first used; None if neither exists."""
-        live = list(self.driver.model.sessions)
-        ghosts = [session for session in self.sent if session not in live]
+        live = list(self._driver.model.sessions)
+        ghosts = [session for session in self._sent if session not in live]
         if live and (choice < LIVE_CHOICES or not ghosts):
             return live[choice % len(live)]
         if ghosts:
@@ -537,8 +537,8 @@ class ShardMachine(RuleBasedStateMachine):
         duplicate or a client retrying late would: the session's requests of earlier epochs
         and from before a crash included, and with choices 6-7, or once no session is live,
         the requests of a session that is gone (a ghost: released, or dropped by a crash)."""
-        sid = self.ghost_or_live(session)
-        sent = self.sent.get(sid, []) if sid is not None else []
+        sid = self._ghost_or_live(session)
+        sent = self._sent.get(sid, []) if sid is not None else []
         if sent:
             earlier = sent[-1 - back % len(sent)]
             self.run(Action(earlier.op, earlier.args, note="resent"))
@@ -547,7 +547,7 @@ class ShardMachine(RuleBasedStateMachine):
     def restart(self, session: int, jump: int, chunk: int) -> None:
         """Prefill step 0 at a higher epoch; an unknown id opens at epoch 0, 1, 1000 or 2**62."""
         sid = self.session_id(session)
-        known = sid in self.driver.model.sessions
+        known = sid in self._driver.model.sessions
         epoch = min(self.position(sid)[0] + EPOCH_JUMPS[jump], EPOCH_STEP_LIMIT - 1) if known else OPENING_EPOCHS[jump]
         note = "epoch bump" if known else "opens at a higher epoch"
         self.run(step_action("prefill", sid, epoch, 0, self.chunk(chunk, sid, restarting=known), note=note))
@@ -588,7 +588,7 @@ class ShardMachine(RuleBasedStateMachine):
     @step_rule(session=st.integers(0, 7), kind=st.integers(0, 15), op=st.integers(0, 1))
     def malformed(self, session: int, kind: int, op: int) -> None:
         """A request that breaks one clause of §2 rule 2."""
-        names = malformations_for(self.driver.caps)
+        names = malformations_for(self._driver.caps)
         sid = self.session_id(session)
         epoch, step = self.position(sid)
         name = ("prefill", "decode")[op]
@@ -611,7 +611,7 @@ class ShardMachine(RuleBasedStateMachine):
 
 
 def _takes_bundles(machine: ShardMachine) -> bool:
-    return machine.driver.caps.role in ("middle", "tail")
+    return machine._driver.caps.role in ("middle", "tail")
 
 
 @precondition(_takes_bundles)
@@ -650,12 +650,12 @@ def inject_fault(self: ShardMachine, kind: int, value: int) -> None:
     ``value`` is relative to the model's state where that matters: memory
     pressure lowers the limit to the tokens in use plus ``value % 4`` (never raises it).
     """
-    kinds = [name for name in FAULT_KINDS if name in self.fault_kinds]
+    kinds = [name for name in FAULT_KINDS if name in self._fault_kinds]
     chosen = kinds[kind % len(kinds)]
     if chosen == "delay":
         amount = DELAYS[value % len(DELAYS)]
     elif chosen == "memory_pressure":
-        model = self.driver.model
+        model = self._driver.model
         # A few tokens of headroom at most: pressure that bites soon is the interesting kind.
         amount = float(min(model.max_kv_tokens, model.kv_tokens + value % 4))
     elif chosen == "crash":

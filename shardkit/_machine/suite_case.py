@@ -54,7 +54,7 @@ class _FuzzerFailures:
         self.sink: Callable[[FailureReport], object] | None = None
 
     def __call__(self, failure: FailureReport) -> None:
-        hook = self.machine.fuzzer_failures
+        hook = self.machine._fuzzer_failures
         if hook is None:
             return
         if self.sink is None:
@@ -81,7 +81,7 @@ def fuzzing_machine(machine: MachineClass) -> MachineClass:
     """``machine`` as a coverage-guided fuzzer runs it (HypoFuzz collects it from the suite's
     ``TestCase``): Hypothesis drives it directly, so there is no run of the kit to count its
     examples and write its trace. One observer for the process counts them, and hands each
-    failure to the sink ``machine.fuzzer_failures`` makes (``machine_for``'s keeps the
+    failure to the sink ``machine._fuzzer_failures`` makes (``machine_for``'s keeps the
     shortest failure as a trace). It keeps the machine's name, so its
     identity (trace names) is the machine's."""
     namespace = {
@@ -102,7 +102,7 @@ def _suite_test_case(machine: MachineClass) -> type[unittest.TestCase]:
 
         def runTest(self) -> None:
             __tracebackhide__ = True
-            runner = machine.suite_runner
+            runner = machine._suite_runner
             if runner is None:
                 message = (
                     f"{machine.__name__} has no engine to run: build the machine with "
@@ -113,7 +113,7 @@ def _suite_test_case(machine: MachineClass) -> type[unittest.TestCase]:
 
         # HypoFuzz runs the fuzzing machine itself, example after example, rather than
         # runTest (which runs the kit's whole run on each call).
-        mark_as_state_machine_test(runTest, fuzzing_machine(machine) if machine.suite_runner is not None else None)
+        mark_as_state_machine_test(runTest, fuzzing_machine(machine) if machine._suite_runner is not None else None)
 
     ShardMachineTestCase.__name__ = f"{machine.__name__}.TestCase"
     ShardMachineTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"

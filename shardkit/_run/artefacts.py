@@ -43,24 +43,24 @@ def machine_identity(machine: type[ShardMachine]) -> str:
     the example database's keys and a derandomized suite's seed derive from it, so two
     engines never share a file or replay each other's saved examples, while two checkouts
     of one project (a CI runner's and a laptop's) share them."""
-    target = machine.target.name
+    target = machine._target.name
     module_part, colon, attr = target.rpartition(":")
     if colon and module_part.endswith(".py"):
         target = f"{_project_path(Path(module_part))}:{attr}"
     options = options_of(machine)
     base, model = options.base, options.model_factory
-    reference = machine.reference.name if machine.reference is not None else None
+    reference = machine._reference.name if machine._reference is not None else None
     parts = [
         target,
-        f"role={machine.role or 'any'}",
-        f"faults={','.join(sorted(machine.fault_kinds))}",
-        f"twins={machine.use_twins}",
+        f"role={machine._role or 'any'}",
+        f"faults={','.join(sorted(machine._fault_kinds))}",
+        f"twins={machine._use_twins}",
         f"reference={reference}",
         f"machine={_identity_name(base)}",
         f"model={_identity_name(model)}",
     ]
-    if machine.concurrency > 1:  # only then, so a sequential run keeps the names it always had
-        parts.append(f"concurrency={machine.concurrency}")
+    if machine._concurrency > 1:  # only then, so a sequential run keeps the names it always had
+        parts.append(f"concurrency={machine._concurrency}")
     return "\n".join(parts)
 
 
@@ -105,9 +105,9 @@ class Artefacts:
         self._kept: tuple[int, str, Path, bool] | None = None
 
     def _make_label(self) -> str:
-        engine = _slug(self.machine.target.target.label) or "engine"
+        engine = _slug(self.machine._target.target.label) or "engine"
         run = f"seed-{self.seed}" if self.seed is not None else _slug(self.machine.__name__)
-        return f"{engine}-{self.machine.role or 'any'}-{run}-{_digest(machine_identity(self.machine))}"
+        return f"{engine}-{self.machine._role or 'any'}-{run}-{_digest(machine_identity(self.machine))}"
 
     @property
     def label(self) -> str:
@@ -213,15 +213,15 @@ class Artefacts:
 
     def _document(self, failure: FailureReport) -> dict[str, Any]:
         return trace_document(
-            target=self.machine.target.target,
+            target=self.machine._target.target,
             load_request=failure.load_request,
             faults=failure.faults,
             records=failure.records,
             violation=failure.violation,
             seed=self.seed,
-            twins=self.machine.use_twins,
-            reference=self.machine.reference.target if self.machine.reference is not None else None,
-            isolation=isolation.options if (isolation := self.machine.target.isolation) is not None else None,
+            twins=self.machine._use_twins,
+            reference=self.machine._reference.target if self.machine._reference is not None else None,
+            isolation=isolation.options if (isolation := self.machine._target.isolation) is not None else None,
             machine=self.machine,
         )
 

@@ -175,13 +175,13 @@ def run_machine(
     failure = minimized.report if minimized is not None else stats.failure
     examples, steps = before_shrinking if first_failure else (stats.examples, stats.steps)
     caveats = caveats_before_shrinking if first_failure else stats.caveats
-    for kind, why in machine.skipped_faults.items():
+    for kind, why in machine._skipped_faults.items():
         caveats[f"the {kind} fault (docs/contract.md#{LABEL_ANCHORS['§4 ' + kind]}): {why}"] = examples
     elapsed = time.perf_counter() - started
     written = artefacts.final(failure) if failure is not None else None
     trace_path, regression_path = written if written is not None else (None, None)
     return FuzzResult(
-        target=machine.target.name,
+        target=machine._target.name,
         seed=seed,
         examples=examples,
         steps=steps,
@@ -192,7 +192,7 @@ def run_machine(
         failure=failure,
         caveats=caveats,
         hypothesis_output=captured.getvalue(),
-        faults=machine.fault_kinds,
+        faults=machine._fault_kinds,
         hypothesis_failure=stats.failure,
         minimized=minimized,
         interrupted=interrupted,
@@ -322,7 +322,7 @@ def fuzz(
     run starts end with it. ``target`` is None when the options name a ``worker_command``."""
     options = FuzzOptions.from_fields(options, changes)
     machine = build_machine(engine_target(target, options.worker_command), options)
-    isolation = machine.target.isolation
+    isolation = machine._target.isolation
     started_workers = isolation is not None and not (
         isinstance(target, ResolvedTarget) and target.isolation is isolation
     )
@@ -347,9 +347,9 @@ def fuzz(
         if started_workers:
             assert isolation is not None
             isolation.close()
-    reference = machine.reference.target if machine.reference is not None else None
+    reference = machine._reference.target if machine._reference is not None else None
     rerun_command = options.command(
-        machine.target.target, seed, reference, isolation.options if isolation is not None else None
+        machine._target.target, seed, reference, isolation.options if isolation is not None else None
     )
     return replace(result, rerun_command=rerun_command)
 
