@@ -288,8 +288,8 @@ def test_options_that_cannot_apply_are_refused() -> None:
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["fuzz", "--worker-memory", "100"], "--worker-memory limits a worker process; it needs --isolate"),
-        (["fuzz", "--step-timeout", "1"], "--step-timeout is the deadline of calls to another process"),
+        (["fuzz", "--worker-memory", "100"], "worker_memory_mb (--worker-memory) limits a worker process: it needs isolate=True (--isolate)"),
+        (["fuzz", "--step-timeout", "1"], "step_timeout (--step-timeout) is the deadline of calls to another process"),
         (["fuzz", "grpc://127.0.0.1:9", "--isolate"], "is already out of process"),
         (["fuzz", "--isolate", "--step-timeout", "0"], "(--step-timeout) must be a number of seconds in (0, 3600]"),
         (["fuzz", "--isolate", "--worker-memory", "lots"], "--worker-memory must be a positive integer"),

@@ -190,3 +190,49 @@ def test_the_command_line_options_are_generated_from_the_declarations(command: s
         build_parser().parse_args(
             [command, "--concurrency", "4", *(["--minutes", "1"] if command == "campaign" else [])]
         )
+
+
+#: How a check of the isolation options' combinations words itself (``engine_plan``).
+ISOLATION_CHECK_WORDING = ("it needs isolate=True", "it needs --isolate", "is already out of process")
+
+
+def isolation_checks(source: str) -> list[str]:
+    """The strings of ``source`` (not its docstrings) that word a check of how the isolation options combine."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return sorted(
+        f"line {node.lineno}: {wording!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        for wording in ISOLATION_CHECK_WORDING
+        if wording in node.value
+    )
+
+
+def test_the_isolation_check_finder_finds_a_check_in_an_f_string() -> None:
+    source = '''
+def check(target, isolate):
+    """Docstrings may say it: --worker-memory needs --isolate."""
+    if isolate and target.remote:
+        raise UsageError(f"--isolate: {target} is already out of process")
+'''
+    assert isolation_checks(source) == ["line 5: 'is already out of process'"]
+
+
+def test_how_the_isolation_options_combine_is_checked_in_one_place() -> None:
+    """``engine_plan`` checks --isolate, --step-timeout, --worker-memory and the target together;
+    the command line, the machine and replay call it rather than word the checks again."""
+    found = {
+        module: lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (module := path.relative_to(PACKAGE).as_posix()) != "_transport/isolation.py"
+        if (lines := isolation_checks(path.read_text(encoding="utf-8")))
+    }
+    assert not found, f"check the combination in engine_plan (shardkit/_transport/isolation.py): {found}"
+    assert isolation_checks((PACKAGE / "_transport" / "isolation.py").read_text(encoding="utf-8"))

@@ -75,7 +75,9 @@ def replay_command(args: argparse.Namespace) -> int:
         print(f"undecided: no run failed, but {len(checks)} check{'' if len(checks) == 1 else 's'} reached no verdict:")
         for caveat in checks:
             print(f"  not checked: {caveat}")
-        print("nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds")
+        print(
+            "nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds"
+        )
         return EXIT_USAGE
     if result.failure is None:
         for caveat in result.not_checked:
@@ -98,21 +100,18 @@ def replay_command(args: argparse.Namespace) -> int:
 def contract_command(args: argparse.Namespace) -> int:
     from shardkit import assert_shard_engine_contract
     from shardkit._machine.spec import check_option
-    from shardkit._transport.isolation import target_with_options
 
     with for_command("contract"):
         check_option("step_timeout", args.step_timeout)
     given = parse_target(args.target) if args.target is not None else None
-    check_isolation_options("contract", args, given)
     if args.worker_command is None and given is None:
         raise UsageError(
             "shardkit contract: name the engine: a target (my_pkg.engine:make_engine) or --worker-command CMD"
         )
-    named = WorkerCommand(args.worker_command) if given is None else given
+    plan = check_isolation_options("contract", args, given)
+    assert plan is not None, "only replay leaves the plan to its trace"
     # In worker processes (--isolate, --worker-command), a crash is a failed check, not the end of the run.
-    target = target_with_options(
-        named, isolate=args.isolate, step_timeout=args.step_timeout, worker_memory_mb=args.worker_memory
-    )
+    target = plan.start()
     try:
         skipped = assert_shard_engine_contract(target)
     except ContractViolation as violation:
@@ -121,9 +120,7 @@ def contract_command(args: argparse.Namespace) -> int:
     finally:
         if target.isolation is not None:
             target.isolation.close()
-    print(
-        f"{target.target.shown}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else "")
-    )
+    print(f"{target.target.shown}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else ""))
     for reason in skipped:
         print(f"  skipped {reason}")
     return EXIT_OK

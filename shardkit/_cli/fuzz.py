@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, one_line, run_options
 from shardkit._cli.paths import check_out_folder, check_output_file
-from shardkit._core.targets import DEFAULT_TARGET, IsolationOptions, Target, WorkerCommand, parse_target
+from shardkit._core.targets import ResolvedTarget, WorkerCommand, parse_target
 from shardkit._run.trace import write_atomically
 from shardkit._transport.resolve import resolve_target
 from shardkit.errors import EngineLost, UsageError
@@ -47,17 +47,13 @@ def fuzz_command(args: argparse.Namespace) -> int:
             message = f"shardkit fuzz: --html {args.html} is the --report file too; name each its own file, e.g. --report report.json --html report.html"
             raise UsageError(message)
     named = parse_target(args.target) if args.target is not None else None
-    check_isolation_options("fuzz", args, named)
-    target: Target
-    if args.worker_command is not None:
-        target = WorkerCommand(args.worker_command)  # checked by check_isolation_options
-    else:
-        target = named if named is not None else parse_target(DEFAULT_TARGET)
+    plan = check_isolation_options("fuzz", args, named)
+    assert plan is not None, "only replay leaves the plan to its trace"
+    target = plan.target
+    assert not isinstance(target, ResolvedTarget), "the command line names its target by text"
+    if not isinstance(target, WorkerCommand):
         resolve_target(target)  # an unknown target is a usage error before the run's line is printed
-    isolation = None
-    if args.isolate or args.worker_command is not None:
-        timeout = IsolationOptions().step_timeout if args.step_timeout is None else args.step_timeout
-        isolation = IsolationOptions(timeout, args.worker_memory)
+    isolation = plan.isolation
     # The whole command at once, as the summary's rerun line will print it: a run cut short
     # (a killed CI job) can be rerun from this line alone.
     reference = parse_target(args.reference) if args.reference is not None else None

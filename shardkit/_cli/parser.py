@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from shardkit._cli.exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUTPUT_CLOSED, EXIT_USAGE
-from shardkit._core.targets import DEFAULT_TARGET, RemoteAddress, Target, worker_command_argv
+from shardkit._core.targets import DEFAULT_TARGET, Target, WorkerCommand, parse_target, worker_command_argv
 from shardkit._run.trace import DEFAULT_OUT
 from shardkit._version import __version__
 from shardkit.errors import InvalidTarget, UsageError
@@ -19,6 +19,7 @@ from shardkit.errors import InvalidTarget, UsageError
 if TYPE_CHECKING:
     from shardkit._machine.spec import Declared
     from shardkit._run.options import FuzzOptions
+    from shardkit._transport.isolation import EnginePlan
 
 __all__ = [
     "EXIT_FAILURE",
@@ -33,6 +34,7 @@ __all__ = [
     "for_command",
     "one_line",
 ]
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -123,7 +125,9 @@ def _seconds(text: str) -> float:
 def _workers(text: str) -> int:
     """``campaign --workers``: worker processes, each a fresh interpreter (256 is far past any box's cores)."""
     if not text.isdigit() or not 1 <= int(text) <= 256:
-        raise _bad_value(f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}")
+        raise _bad_value(
+            f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}"
+        )
     return int(text)
 
 
@@ -134,7 +138,9 @@ def _minutes(text: str) -> float:
     except ValueError:
         value = 0.0
     if not 0 < value < float("inf"):
-        raise _bad_value(f"--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got {text!r}")
+        raise _bad_value(
+            f"--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got {text!r}"
+        )
     return value
 
 
@@ -214,9 +220,10 @@ def database_options(command: argparse.ArgumentParser) -> None:
     )
 
 
-def check_isolation_options(command: str, args: argparse.Namespace, target: Target | None) -> None:
+def check_isolation_options(command: str, args: argparse.Namespace, target: Target | None) -> EnginePlan | None:
     """Options that cannot apply are a usage error, never silently ignored. ``target`` is
-    the engine target the command line named, if any, as ``parse_target`` read it."""
+    the engine target the command line named, if any, as ``parse_target`` read it. Returns
+    how the engine runs (``engine_plan``), or None for a replay whose trace decides it."""
     worker_command = args.worker_command
     if worker_command is not None:
         if target is not None:
@@ -224,22 +231,26 @@ def check_isolation_options(command: str, args: argparse.Namespace, target: Targ
             message = f"shardkit {command}: --worker-command names the engine; drop {flag}{target.name!r} or the option"
             raise UsageError(message)
         if args.isolate is False and command == "replay":
-            raise UsageError("shardkit replay: --worker-command always runs the engine in worker processes; drop --no-isolate")
+            raise UsageError(
+                "shardkit replay: --worker-command always runs the engine in worker processes; drop --no-isolate"
+            )
         try:
             worker_command_argv(worker_command)
         except InvalidTarget as error:
             raise UsageError(f"shardkit {command}: --worker-command: {error}") from None
-    # replay's --isolate is None when the trace decides; the trace then says whether to isolate.
-    isolation_refused = (args.isolate is False if command == "replay" else not args.isolate) and worker_command is None
-    if args.worker_memory is not None and isolation_refused:
-        raise UsageError(f"shardkit {command}: --worker-memory limits a worker process; it needs --isolate or --worker-command")
-    remote = isinstance(target, RemoteAddress)
-    if args.isolate and isinstance(target, RemoteAddress):
-        message = f"shardkit {command}: --isolate runs a Python engine target in a worker process; {target.name} is already out of process"
-        raise UsageError(message)
-    if args.step_timeout is not None and not args.isolate and not remote and worker_command is None and command in ("fuzz", "contract"):
-        message = f"shardkit {command}: --step-timeout is the deadline of calls to another process; it needs --isolate, --worker-command or a grpc:// or unix: target"
-        raise UsageError(message)
+    from shardkit._transport.isolation import engine_plan
+
+    if command == "replay" and args.isolate is None:
+        return None  # the trace says whether to isolate; replay_command checks what depends on it
+    engine = WorkerCommand(worker_command) if worker_command is not None else target or parse_target(DEFAULT_TARGET)
+    # replay's deadline is checked by replay_command, against the trace's own isolation.
+    step_timeout = args.step_timeout if command != "replay" else None
+    try:
+        return engine_plan(
+            engine, isolate=bool(args.isolate), step_timeout=step_timeout, worker_memory_mb=args.worker_memory
+        )
+    except UsageError as error:
+        raise UsageError(f"shardkit {command}: {error}") from None
 
 
 def build_parser() -> _Parser:
@@ -253,7 +264,9 @@ def build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
-    fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
+    fuzz.add_argument(
+        "target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)"
+    )
     declared_option(fuzz, "role")
     declared_option(fuzz, "examples")
     declared_option(fuzz, "steps")
@@ -267,15 +280,36 @@ def build_parser() -> _Parser:
     declared_option(fuzz, "concurrency")
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
-    fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
+    fuzz.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run report as one HTML page here (docs/report.md)",
+    )
     database_options(fuzz)
     _isolation_options(fuzz)
 
-    campaign = commands.add_parser("campaign", help="fuzz with several worker processes for some minutes; one merged report")
+    campaign = commands.add_parser(
+        "campaign", help="fuzz with several worker processes for some minutes; one merged report"
+    )
     campaign.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
-    campaign.add_argument("--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)")
-    campaign.add_argument("--minutes", type=_minutes, required=True, metavar="M", help="start rounds for M minutes; rounds in flight then finish")
-    campaign.add_argument("--seed", type=_seed, default=None, help="seed the rounds' seeds derive from, or random (default: chosen and printed)")
+    campaign.add_argument(
+        "--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)"
+    )
+    campaign.add_argument(
+        "--minutes",
+        type=_minutes,
+        required=True,
+        metavar="M",
+        help="start rounds for M minutes; rounds in flight then finish",
+    )
+    campaign.add_argument(
+        "--seed",
+        type=_seed,
+        default=None,
+        help="seed the rounds' seeds derive from, or random (default: chosen and printed)",
+    )
     declared_option(campaign, "examples", help="examples per round ({default})")
     declared_option(campaign, "steps")
     declared_option(campaign, "role")
@@ -349,13 +383,20 @@ def build_parser() -> _Parser:
     )
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
-    contract.add_argument("target", nargs="?", default=None, help="engine target, e.g. my_pkg.engine:make_engine (or --worker-command)")
+    contract.add_argument(
+        "target", nargs="?", default=None, help="engine target, e.g. my_pkg.engine:make_engine (or --worker-command)"
+    )
     _isolation_options(contract)
 
     report = commands.add_parser("report", help="draw a --report JSON as one HTML page (docs/report.md)")
     report.add_argument("report", type=Path, metavar="REPORT.json", help="a report written by shardkit fuzz --report")
     report.add_argument(
-        "-o", "--output", type=Path, default=None, metavar="FILE", help="the HTML file to write (default: REPORT with .html)"
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the HTML file to write (default: REPORT with .html)",
     )
 
     serve = commands.add_parser("serve", help="serve an engine target over gRPC (the grpc extra)")

@@ -22,7 +22,7 @@ from shardkit._machine.parallel_rules import parallel_rules
 from shardkit._machine.spec import MachineOptions
 from shardkit._machine.state_machine import ShardMachine, extreme_values, inject_fault, layer_range
 from shardkit._machine.suite_case import FailureSink, SuiteRunner
-from shardkit._transport.isolation import target_with_options
+from shardkit._transport.isolation import EnginePlan, engine_plan
 from shardkit._transport.resolve import resolve_target
 from shardkit.contract import ROLES, EngineCapabilities, EngineError, LoadRequest, Role
 from shardkit.errors import ShardkitError
@@ -65,14 +65,18 @@ def build_machine(
     """A ``RuleBasedStateMachine`` fuzzing the engine against the reference model.
 
     ``target`` comes typed from the entry point that read it (``engine_target``) and
-    ``options`` checked (``MachineOptions``), so nothing is checked again here but what
-    needs the engine, on first use (``_Setup``). ``suite_runner`` is what the machine's
+    ``options`` checked (``MachineOptions``); here the two meet, so how they combine is
+    checked here (``engine_plan``: isolation, deadlines, worker memory), and what needs the
+    engine on first use (``_Setup``). ``suite_runner`` is what the machine's
     pytest ``TestCase`` runs and ``fuzzer_failures`` what its failures become when a fuzzer
     such as HypoFuzz drives it directly (``machine_for`` sets both; see ``ShardMachine``).
     """
     options = options if options is not None else MachineOptions()
     base = options.base
-    setup = _Setup(target, options)
+    plan = engine_plan(
+        target, isolate=options.isolate, step_timeout=options.step_timeout, worker_memory_mb=options.worker_memory_mb
+    )
+    setup = _Setup(plan, options)
     namespace: dict[str, Any] = {
         "_options": options,
         "_setup": setup,
@@ -109,8 +113,8 @@ class _Setup:
 
     PREPARED = ("_target", "_reference", "_total_layers", "_roles", "_fault_kinds", "_skipped_faults")
 
-    def __init__(self, target: Target | ResolvedTarget, options: MachineOptions) -> None:
-        self.target, self.options = target, options
+    def __init__(self, plan: EnginePlan, options: MachineOptions) -> None:
+        self.plan, self.options = plan, options
         self._lock = threading.Lock()
         self._values: Mapping[str, Any] | None = None
 
@@ -122,12 +126,7 @@ class _Setup:
 
     def _prepare(self) -> Mapping[str, Any]:
         options = self.options
-        target = target_with_options(
-            self.target,
-            isolate=options.isolate,
-            step_timeout=options.step_timeout,
-            worker_memory_mb=options.worker_memory_mb,
-        )
+        target = self.plan.start()
         try:
             caps, loadable, fault_kinds, skipped = _checked_options(target, options)
             if options.concurrency > 1 and not caps.concurrent_calls:
@@ -139,7 +138,7 @@ class _Setup:
                 raise ShardkitError(message)
             reference = resolve_target(options.reference) if options.reference is not None else None
         except BaseException:
-            if target.isolation is not None and target is not self.target:
+            if target.isolation is not None and target is not self.plan.target:
                 target.isolation.close()  # this call started its workers: do not leave them running
             raise
         return MappingProxyType(

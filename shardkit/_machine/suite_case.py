@@ -46,7 +46,7 @@ class SuiteTestCase:
 
 class _FuzzerFailures:
     """The ``on_failure`` of a fuzzing machine's observer: asks the machine's
-    ``fuzzer_failures`` hook for the sink on the first failure (the engine is met then,
+    ``_fuzzer_failures`` hook for the sink on the first failure (the engine is met then,
     not when pytest collects the suite), and hands it every failure."""
 
     def __init__(self, machine: MachineClass) -> None:
@@ -85,7 +85,7 @@ def fuzzing_machine(machine: MachineClass) -> MachineClass:
     shortest failure as a trace). It keeps the machine's name, so its
     identity (trace names) is the machine's."""
     namespace = {
-        "observer": RunObserver(on_failure=_FuzzerFailures(machine)),
+        "_observer": RunObserver(on_failure=_FuzzerFailures(machine)),
         "TestCase": _FuzzerSettingsHolder(machine),
         "__qualname__": machine.__qualname__,
     }

@@ -18,6 +18,8 @@ sets a remote target's deadline (the ``grpc`` extra).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shardkit._core.targets import (
     DEFAULT_STEP_TIMEOUT,
     EngineFactory,
@@ -31,9 +33,9 @@ from shardkit._core.targets import (
     typed_target,
 )
 from shardkit._transport.resolve import resolve_target
-from shardkit.errors import InvalidTarget
+from shardkit.errors import InvalidTarget, UsageError
 
-__all__ = ["isolated_target", "target_with_options"]
+__all__ = ["EnginePlan", "engine_plan", "isolated_target", "target_with_options"]
 
 
 def isolated_target(
@@ -54,8 +56,7 @@ def isolated_target(
     if isinstance(typed, WorkerCommand):
         return _in_workers(typed, options)
     if isinstance(typed, RemoteAddress):
-        message = f"--isolate runs a Python engine target in a child process; {typed.address} is already out of process"
-        raise InvalidTarget(message)
+        raise InvalidTarget(_out_of_process(typed))
     name = typed.name
     if "<" in name or name.startswith("__main__:"):
         message = (
@@ -66,6 +67,10 @@ def isolated_target(
     by_name = PythonTarget(name)
     resolve_target(by_name)  # the child will import it by this name: refuse a name that does not import here
     return _in_workers(by_name, options)
+
+
+def _out_of_process(address: RemoteAddress) -> str:
+    return f"isolate=True (--isolate) runs a Python engine target in a worker process; {address.address} is already out of process"
 
 
 def _in_workers(target: PythonTarget | WorkerCommand, options: IsolationOptions | None) -> ResolvedTarget:
@@ -79,6 +84,67 @@ def _in_workers(target: PythonTarget | WorkerCommand, options: IsolationOptions 
     return ResolvedTarget(target, pool.new_engine, isolation=pool)
 
 
+@dataclass(frozen=True)
+class EnginePlan:
+    """An engine target and how its engines run, checked once, by ``engine_plan``: in worker
+    processes (``isolation``), at a remote address with a call deadline (``remote_timeout``),
+    or in this process. ``start`` checks nothing."""
+
+    target: Target | ResolvedTarget
+    isolation: IsolationOptions | None = None
+    remote_timeout: float | None = None
+
+    def start(self) -> ResolvedTarget:
+        """The target resolved: an isolated one starts its workers, a remote one connects."""
+        if self.isolation is not None:
+            return isolated_target(self.target, self.isolation)
+        if self.remote_timeout is not None:
+            from shardkit._transport.client import remote_target
+
+            assert isinstance(self.target, RemoteAddress), "engine_plan sets a deadline on remote addresses only"
+            return remote_target(self.target, timeout_seconds=self.remote_timeout)
+        return resolve_target(self.target)
+
+
+def engine_plan(
+    target: str | EngineFactory | Target | ResolvedTarget,
+    *,
+    isolate: bool | IsolationOptions = False,
+    step_timeout: float | None = None,
+    worker_memory_mb: int | None = None,
+) -> EnginePlan:
+    """How ``target``'s engines run, with the options that set it up, checked together here
+    and nowhere else: an option that cannot apply is a ``UsageError`` naming it and the fix,
+    never silently ignored. ``step_timeout`` applies to an isolated engine or a remote
+    (``grpc://``, ``unix:``) one; ``worker_memory_mb`` only to an isolated one. A worker
+    command's target is always isolated."""
+    typed = typed_target(target)
+    kind = typed.target if isinstance(typed, ResolvedTarget) else typed
+    if isinstance(isolate, IsolationOptions):
+        if step_timeout is not None or worker_memory_mb is not None:
+            message = "pass step_timeout and worker_memory_mb inside the IsolationOptions, not beside them"
+            raise UsageError(message)
+        return EnginePlan(typed, isolation=isolate)
+    if isolate and isinstance(kind, RemoteAddress):
+        raise UsageError(_out_of_process(kind))
+    if isolate or isinstance(kind, WorkerCommand):
+        timeout = DEFAULT_STEP_TIMEOUT if step_timeout is None else step_timeout
+        return EnginePlan(typed, isolation=IsolationOptions(timeout, worker_memory_mb))
+    if worker_memory_mb is not None:
+        message = "worker_memory_mb (--worker-memory) limits a worker process: it needs isolate=True (--isolate) or a worker command (--worker-command)"
+        raise UsageError(message)
+    if step_timeout is None:
+        return EnginePlan(typed)
+    if isinstance(typed, RemoteAddress):
+        IsolationOptions(step_timeout)  # checks the number of seconds
+        return EnginePlan(typed, remote_timeout=step_timeout)
+    message = (
+        "step_timeout (--step-timeout) is the deadline of calls to another process: it needs isolate=True (--isolate), "
+        "a worker command (--worker-command) or a grpc:// or unix: target"
+    )
+    raise UsageError(message)
+
+
 def target_with_options(
     target: str | EngineFactory | Target | ResolvedTarget,
     *,
@@ -86,32 +152,6 @@ def target_with_options(
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
 ) -> ResolvedTarget:
-    """``target`` resolved, isolated if asked, with the call deadline set where one applies.
-
-    ``step_timeout`` applies to an isolated engine or a remote (``grpc://``, ``unix:``)
-    one; ``worker_memory_mb`` only to an isolated one. An option that cannot apply is an
-    error, never silently ignored. A worker command's target is always isolated.
-    """
-    if not isolate and isinstance(parse_target(target), WorkerCommand):
-        isolate = True
-    if isinstance(isolate, IsolationOptions):
-        if step_timeout is not None or worker_memory_mb is not None:
-            message = "pass step_timeout and worker_memory_mb inside the IsolationOptions, not beside them"
-            raise ValueError(message)
-        return isolated_target(target, isolate)
-    if isolate:
-        options = IsolationOptions(DEFAULT_STEP_TIMEOUT if step_timeout is None else step_timeout, worker_memory_mb)
-        return isolated_target(target, options)
-    if worker_memory_mb is not None:
-        message = "worker_memory_mb (--worker-memory) limits a worker process: it needs isolate=True (--isolate)"
-        raise ValueError(message)
-    if step_timeout is None:
-        return resolve_target(target)
-    IsolationOptions(step_timeout)  # validates it
-    typed = typed_target(target)
-    if isinstance(typed, RemoteAddress):
-        from shardkit._transport.client import remote_target
-
-        return remote_target(typed, timeout_seconds=step_timeout)
-    message = "step_timeout (--step-timeout) is the deadline of calls to another process: it needs isolate=True (--isolate) or a grpc:// or unix: target"
-    raise ValueError(message)
+    """``target`` resolved, isolated if asked, with the call deadline set where one applies
+    (``engine_plan`` checks the options, then the plan starts)."""
+    return engine_plan(target, isolate=isolate, step_timeout=step_timeout, worker_memory_mb=worker_memory_mb).start()
