@@ -75,9 +75,7 @@ def replay_command(args: argparse.Namespace) -> int:
         print(f"undecided: no run failed, but {len(checks)} check{'' if len(checks) == 1 else 's'} reached no verdict:")
         for caveat in checks:
             print(f"  not checked: {caveat}")
-        print(
-            "nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds"
-        )
+        print("nothing is claimed about the trace: replay it again (--runs N for a parallel phase), or shorten what it holds")
         return EXIT_USAGE
     if result.failure is None:
         for caveat in result.not_checked:
@@ -120,7 +118,9 @@ def contract_command(args: argparse.Namespace) -> int:
     finally:
         if target.isolation is not None:
             target.isolation.close()
-    print(f"{target.target.shown}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else ""))
+    print(
+        f"{target.target.shown}: every contract check passed" + (f", {len(skipped)} skipped:" if skipped else "")
+    )
     for reason in skipped:
         print(f"  skipped {reason}")
     return EXIT_OK

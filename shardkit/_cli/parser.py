@@ -35,7 +35,6 @@ __all__ = [
     "one_line",
 ]
 
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
@@ -125,9 +124,7 @@ def _seconds(text: str) -> float:
 def _workers(text: str) -> int:
     """``campaign --workers``: worker processes, each a fresh interpreter (256 is far past any box's cores)."""
     if not text.isdigit() or not 1 <= int(text) <= 256:
-        raise _bad_value(
-            f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}"
-        )
+        raise _bad_value(f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}")
     return int(text)
 
 
@@ -138,9 +135,7 @@ def _minutes(text: str) -> float:
     except ValueError:
         value = 0.0
     if not 0 < value < float("inf"):
-        raise _bad_value(
-            f"--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got {text!r}"
-        )
+        raise _bad_value(f"--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got {text!r}")
     return value
 
 
@@ -264,9 +259,7 @@ def build_parser() -> _Parser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
-    fuzz.add_argument(
-        "target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)"
-    )
+    fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
     declared_option(fuzz, "role")
     declared_option(fuzz, "examples")
     declared_option(fuzz, "steps")
@@ -280,36 +273,15 @@ def build_parser() -> _Parser:
     declared_option(fuzz, "concurrency")
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
-    fuzz.add_argument(
-        "--html",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="write the run report as one HTML page here (docs/report.md)",
-    )
+    fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
     database_options(fuzz)
     _isolation_options(fuzz)
 
-    campaign = commands.add_parser(
-        "campaign", help="fuzz with several worker processes for some minutes; one merged report"
-    )
+    campaign = commands.add_parser("campaign", help="fuzz with several worker processes for some minutes; one merged report")
     campaign.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=f"engine target (default {DEFAULT_TARGET})")
-    campaign.add_argument(
-        "--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)"
-    )
-    campaign.add_argument(
-        "--minutes",
-        type=_minutes,
-        required=True,
-        metavar="M",
-        help="start rounds for M minutes; rounds in flight then finish",
-    )
-    campaign.add_argument(
-        "--seed",
-        type=_seed,
-        default=None,
-        help="seed the rounds' seeds derive from, or random (default: chosen and printed)",
-    )
+    campaign.add_argument("--workers", type=_workers, default=None, metavar="N", help="worker processes (default: one per CPU core)")
+    campaign.add_argument("--minutes", type=_minutes, required=True, metavar="M", help="start rounds for M minutes; rounds in flight then finish")
+    campaign.add_argument("--seed", type=_seed, default=None, help="seed the rounds' seeds derive from, or random (default: chosen and printed)")
     declared_option(campaign, "examples", help="examples per round ({default})")
     declared_option(campaign, "steps")
     declared_option(campaign, "role")
@@ -383,20 +355,13 @@ def build_parser() -> _Parser:
     )
 
     contract = commands.add_parser("contract", help="run the quick static contract checks")
-    contract.add_argument(
-        "target", nargs="?", default=None, help="engine target, e.g. my_pkg.engine:make_engine (or --worker-command)"
-    )
+    contract.add_argument("target", nargs="?", default=None, help="engine target, e.g. my_pkg.engine:make_engine (or --worker-command)")
     _isolation_options(contract)
 
     report = commands.add_parser("report", help="draw a --report JSON as one HTML page (docs/report.md)")
     report.add_argument("report", type=Path, metavar="REPORT.json", help="a report written by shardkit fuzz --report")
     report.add_argument(
-        "-o",
-        "--output",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the HTML file to write (default: REPORT with .html)",
+        "-o", "--output", type=Path, default=None, metavar="FILE", help="the HTML file to write (default: REPORT with .html)"
     )
 
     serve = commands.add_parser("serve", help="serve an engine target over gRPC (the grpc extra)")
