@@ -563,3 +563,23 @@ def test_the_importer_check_finds_a_direct_import_from_outside_the_allowed_rooms
     assert direct_importers(graph, "pkg.room", ("pkg.cli",)) == ["pkg.other -> pkg.room.b"]
     assert direct_importers(graph, "pkg.room", ()) == ["pkg.cli.x -> pkg.room.a", "pkg.other -> pkg.room.b"]
     assert direct_importers(graph, "pkg.room", ("pkg.cli", "pkg.other")) == []
+
+
+#: The most lines a module of the command line may have: it reads arguments and hands them
+#: to the rooms below (the bench, the campaign, the run); a larger one is doing their work.
+CLI_MODULE_LINES = 400
+
+
+def modules_over(folder: Path, most_lines: int) -> dict[str, int]:
+    sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in sorted(folder.glob("*.py"))}
+    return {name: lines for name, lines in sizes.items() if lines > most_lines}
+
+
+def test_the_command_line_stays_thin() -> None:
+    assert modules_over(PACKAGE_ROOT / "_cli", CLI_MODULE_LINES) == {}
+
+
+def test_the_size_check_finds_a_large_module(tmp_path: Path) -> None:
+    (tmp_path / "small.py").write_text("x = 1\n" * 3)
+    (tmp_path / "large.py").write_text("x = 1\n" * 5)
+    assert modules_over(tmp_path, 4) == {"large.py": 5}
