@@ -7,8 +7,10 @@ child dies, misses a call's deadline or answers garbage, the driver asks the iso
 what happened (``death``) and reports it as an ordinary step failure, and the next engine
 comes from a fresh child. A foreign worker command (``--worker-command``, a target named
 a ``WorkerCommand``) is isolated the same way, always: its engines live in the
-processes the command starts. ``target_with_options`` is what the commands call: a target
-resolved, isolated if asked, with the deadline of its calls set.
+processes the command starts. ``engine_plan`` is where a target meets the options that say
+how it runs (``--isolate``, ``--step-timeout``, ``--worker-memory``): their combinations are
+checked there once, for the command line, ``build_machine`` and replay, and the plan's
+``start`` resolves the target, isolated if asked, with the deadline of its calls set.
 
 What the driver, the runner and the trace need to know about isolation (``Isolation``,
 ``IsolationOptions``, ``ProcessDeath``) is in ``shardkit._core.targets``: they import
