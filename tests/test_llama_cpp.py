@@ -92,6 +92,16 @@ def test_the_static_contract_passes_and_skips_the_partial_roles() -> None:
     assert all("serves the whole model only" in reason for reason in skipped)
 
 
+def test_its_answer_depends_on_the_whole_history_the_cache_holds() -> None:
+    """The contract's history sensitivity, on the margin a real model reports: not flagged."""
+    from shardkit._core.sensitivity import history_sensitivity
+
+    measured = history_sensitivity(LlamaCppShardEngine)
+    assert measured.compared == "the token or its margin"
+    assert measured.changed == measured.trials > 0
+    assert measured.warning() is None
+
+
 def test_a_partial_range_and_a_missing_file_are_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="serves the whole model only"):
         LlamaCppShardEngine().load(LoadRequest("m", 0, 1, 4))

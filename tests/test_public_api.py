@@ -50,6 +50,7 @@ from shardkit import (
     fuzz,
     machine_for,
 )
+from shardkit._core.sensitivity import history_sensitivity
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STATEFUL = REPO_ROOT / "stateful"
@@ -145,6 +146,7 @@ def test_the_documented_session_engine_passes_the_contract_and_a_short_fuzz(tmp_
     engine_class = module.SumEngine
     skipped = assert_shard_engine_contract(engine_class)
     assert all("needs" in reason for reason in skipped), skipped  # only the roles one layer cannot serve
+    assert history_sensitivity(engine_class).summary() in EXTENDING.read_text(encoding="utf-8")  # as shown there
     result = fuzz(engine_class, seed=1, examples=30, steps=50)
     assert result.failure is None, result.failure.violation.message if result.failure else ""
     assert result.faults == frozenset({"delay", "memory_pressure", "malformed_output", "crash"})
@@ -169,6 +171,7 @@ def test_the_documented_session_engine_passes_the_contract_and_a_short_fuzz(tmp_
 def test_the_documented_engine_of_several_layers_serves_every_role_and_passes(tmp_path: Path) -> None:
     module = documented_module("crc_engine.py", tmp_path)
     assert assert_shard_engine_contract(module.CrcEngine) == []  # no check skipped: every role served
+    assert history_sensitivity(module.CrcEngine).summary() in EXTENDING.read_text(encoding="utf-8")
     result = fuzz(module.CrcEngine, seed=1, examples=60, steps=50)  # role "any": a role per example
     assert result.failure is None, result.failure.violation.message if result.failure else ""
 

@@ -97,6 +97,7 @@ def replay_command(args: argparse.Namespace) -> int:
 
 def contract_command(args: argparse.Namespace) -> int:
     from shardkit import assert_shard_engine_contract
+    from shardkit._core.sensitivity import history_sensitivity
     from shardkit._machine.spec import check_option
 
     with for_command("contract"):
@@ -112,6 +113,7 @@ def contract_command(args: argparse.Namespace) -> int:
     target = plan.start()
     try:
         skipped = assert_shard_engine_contract(target)
+        sensitivity = history_sensitivity(target)
     except ContractViolation as violation:
         print(violation)
         return EXIT_FAILURE
@@ -123,6 +125,10 @@ def contract_command(args: argparse.Namespace) -> int:
     )
     for reason in skipped:
         print(f"  skipped {reason}")
+    print(sensitivity.summary())
+    warning = sensitivity.warning()
+    if warning is not None:
+        print(warning)
     return EXIT_OK
 
 

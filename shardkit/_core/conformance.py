@@ -122,7 +122,15 @@ class _Probe:
     def _inputs(
         self, session_id: str, epoch: int, step: int, count: int, first: int
     ) -> tuple[tuple[int, ...] | None, BoundaryBundle | None]:
-        token_ids = tuple((first + index) % self.caps.vocab_size for index in range(count))
+        return self.inputs_of(
+            session_id, epoch, step, tuple((first + index) % self.caps.vocab_size for index in range(count))
+        )
+
+    def inputs_of(
+        self, session_id: str, epoch: int, step: int, token_ids: tuple[int, ...]
+    ) -> tuple[tuple[int, ...] | None, BoundaryBundle | None]:
+        """A step's inputs for ``token_ids``: the tokens themselves for a head or full shard,
+        else the bundle a head would send for them."""
         if self.caps.role in ("head", "full"):
             return token_ids, None
         return None, synthetic_bundle(self.caps, session_id, epoch, step, token_ids)
