@@ -104,3 +104,15 @@ def test_shardkit_contract_prints_the_figure_and_warns_of_a_blind_engine(capsys:
 def test_a_pipeline_of_sensitive_shards_is_sensitive() -> None:
     measured = history_sensitivity(lambda: PipelineEngine(FakeShardEngine, (1,)))
     assert (measured.trials, measured.changed) == (TRIALS, TRIALS)
+
+
+def test_a_fuzz_run_of_a_blind_engine_says_what_it_could_not_check() -> None:
+    from shardkit import fuzz
+
+    blind = fuzz(LastTokenOnly, seed=1, examples=10, steps=20)
+    assert blind.failure is None  # it keeps the contract: nothing to report but the blind spot
+    (caveat,) = [caveat for caveat in blind.caveats if "KV cache" in caveat]
+    assert caveat.startswith("most corruption of the engine's KV cache: only 0 of 15 changes")
+    assert blind.caveats[caveat] == blind.examples
+    sighted = fuzz(FakeShardEngine, seed=1, examples=10, steps=20)
+    assert not [caveat for caveat in sighted.caveats if "KV cache" in caveat]

@@ -66,6 +66,16 @@ class HistorySensitivity:
             f"of a {self.history_length}-token history changed {self.compared} ({self.role} shard)"
         )
 
+    def caveat(self) -> str | None:
+        """What a fuzz run of a nearly blind engine could not check (its summary's "not checked" lines)."""
+        if not self.blind:
+            return None
+        return (
+            f"most corruption of the engine's KV cache: only {self.changed} of {self.trials} changes of one token "
+            "before the last changed its answer, and the twin oracle sees a corruption only through a changed "
+            "answer (docs/contract.md#history-sensitivity)"
+        )
+
     def warning(self) -> str | None:
         """What to tell the engine's author when the oracle is nearly blind to cache corruption."""
         if not self.blind:

@@ -30,6 +30,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from shardkit._core.driver import StepFailed
 from shardkit._core.native_threads import pinned_native_threads
 from shardkit._core.properties import LABEL_ANCHORS
+from shardkit._core.sensitivity import history_sensitivity
 from shardkit._core.targets import EngineFactory, ResolvedTarget, Target, engine_target
 from shardkit._machine.build import build_machine
 from shardkit._machine.hypothesis_adapter import ShrinkBudgetSpent, deterministic_hypothesis
@@ -110,6 +111,8 @@ def run_machine(
     """
     artefacts = Artefacts(machine, out, seed)
     run_settings = run_settings_for(machine, run_settings)
+    # Before the first example, on engines of its own: how much of a corrupted cache the oracle can see.
+    sensitivity = history_sensitivity(machine._target)
     started = time.perf_counter()
     first_failure: list[tuple[int, float, int]] = []
     before_shrinking = (0, 0)
@@ -177,6 +180,9 @@ def run_machine(
     caveats = caveats_before_shrinking if first_failure else stats.caveats
     for kind, why in machine._skipped_faults.items():
         caveats[f"the {kind} fault (docs/contract.md#{LABEL_ANCHORS['§4 ' + kind]}): {why}"] = examples
+    blind_spot = sensitivity.caveat()
+    if blind_spot is not None:
+        caveats[blind_spot] = examples
     elapsed = time.perf_counter() - started
     written = artefacts.final(failure) if failure is not None else None
     trace_path, regression_path = written if written is not None else (None, None)
