@@ -338,8 +338,15 @@ def test_a_subclass_sees_its_rules_and_only_the_documented_helpers() -> None:
 def test_each_documented_helper_is_in_the_guide_for_extenders() -> None:
     from pathlib import Path
 
+    from shardkit import ShardMachine
+    from shardkit._machine.hypothesis_adapter import rules_and_initializers
+
     guide = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     assert [name for name in sorted(DOCUMENTED_HELPERS) if f"`{name}" not in guide and f".{name}" not in guide] == []
+    rules, initializers = rules_and_initializers(ShardMachine)
+    built_in = sorted(name for name, _, _ in (*rules, *initializers))
+    assert len(built_in) >= 12
+    assert [name for name in built_in if f"`{name}`" not in guide] == []  # a rule of the same name replaces it
 
 
 def test_a_public_helper_the_kit_adds_is_seen() -> None:

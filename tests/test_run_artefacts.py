@@ -347,3 +347,42 @@ def test_a_full_disk_while_shrinking_is_forgotten_once_the_final_trace_is_writte
     assert len(calls) >= 2
     assert result.trace_path is not None
     assert result.write_error is None
+
+
+MACHINE_IDENTITY = """
+import sys
+from shardkit import FakeShardEngine, machine_for
+from shardkit._core.importing import import_named
+from shardkit._run.artefacts import machine_identity
+
+base = import_named("machines/mine.py:Mine", "--machine", "FILE.py:CLASS")
+print(machine_identity(machine_for(FakeShardEngine, role="full", faults="none", base=base)).splitlines()[-2])
+"""
+
+
+def test_a_machine_from_a_file_has_one_identity_in_every_process_and_checkout(tmp_path: Path) -> None:
+    """Its module is named for its file: by a digest, not by ``hash()``, which changes with
+    each process (so did the trace names of a ``--machine FILE.py:Class`` run), and the
+    identity names it by its path from the run's folder, as it does a file target."""
+    import os
+    import subprocess
+    import sys
+
+    identities = set()
+    for checkout, hash_seed in (("ci-runner", "1"), ("ci-runner", "2"), ("laptop", "3")):
+        (tmp_path / checkout / "machines").mkdir(parents=True, exist_ok=True)
+        (tmp_path / checkout / "machines" / "mine.py").write_text(
+            "from shardkit import ShardMachine\n\n\nclass Mine(ShardMachine):\n    pass\n"
+        )
+        environment = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        done = subprocess.run(
+            [sys.executable, "-c", MACHINE_IDENTITY],
+            cwd=tmp_path / checkout,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        identities.add(done.stdout.strip())
+    assert identities == {"machine=machines/mine.py:Mine"}

@@ -4,6 +4,7 @@ module reached both ways is imported once, so that its classes have one identity
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -116,7 +117,8 @@ def _import_file(path_text: str, target: str, what: str) -> object:
     if not path.is_file():
         message = f"{what} {target!r}: no file at {path_text!r}"
         raise InvalidTarget(message)
-    module_name = f"{FILE_MODULE_PREFIX}{abs(hash(str(path)))}"
+    # A digest, not hash(): str hashes change from one process to the next.
+    module_name = f"{FILE_MODULE_PREFIX}{hashlib.sha256(str(path).encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     loaded = _loaded_from(path)

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from hypothesis import settings
 from hypothesis.database import ExampleDatabase
 
+from shardkit._core.importing import FILE_MODULE_PREFIX
 from shardkit._core.model import ReferenceModel
 from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import time_independent
@@ -72,7 +74,16 @@ def _identity_name(value: object) -> str:
         return "shardkit._machine.state_machine:ShardMachine"
     if value is ReferenceModel:
         return "shardkit._core.model:ReferenceModel"
-    return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', value)}"
+    module_name = getattr(value, "__module__", "?")
+    qualname = getattr(value, "__qualname__", value)
+    # A class from a file target lives in a module named for the file's absolute path: name it
+    # by its path from the run's folder, as the engine's file is, the same in every checkout.
+    file = (
+        getattr(sys.modules.get(module_name), "__file__", None) if module_name.startswith(FILE_MODULE_PREFIX) else None
+    )
+    if isinstance(file, str):
+        return f"{_project_path(Path(file))}:{qualname}"
+    return f"{module_name}:{qualname}"
 
 
 def _digest(text: str, length: int = 8) -> str:
