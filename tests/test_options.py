@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 
@@ -102,6 +103,12 @@ def declared_options() -> list[tuple[str, str]]:
 def option_checks(source: str, options: list[tuple[str, str]]) -> list[str]:
     """The strings of ``source`` (docstrings aside) that word a check of a declared option: they
     name it as its check's message does ("role (--role) …") or say what its flag "must" be."""
+    patterns = [pattern for name, flag in options for pattern in (f"{name} ({flag})", f"{flag} must")]
+    return strings_holding(source, patterns)
+
+
+def strings_holding(source: str, patterns: Iterable[str]) -> list[str]:
+    """``line N: 'pattern'`` for each string of ``source`` (docstrings aside) holding a pattern."""
     tree = ast.parse(source)
     docstrings = {
         id(node.body[0].value)
@@ -111,7 +118,6 @@ def option_checks(source: str, options: list[tuple[str, str]]) -> list[str]:
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
-    patterns = [pattern for name, flag in options for pattern in (f"{name} ({flag})", f"{flag} must")]
     return sorted(
         f"line {node.lineno}: {pattern!r}"
         for node in ast.walk(tree)
@@ -198,21 +204,7 @@ ISOLATION_CHECK_WORDING = ("it needs isolate=True", "it needs --isolate", "is al
 
 def isolation_checks(source: str) -> list[str]:
     """The strings of ``source`` (not its docstrings) that word a check of how the isolation options combine."""
-    tree = ast.parse(source)
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-    }
-    return sorted(
-        f"line {node.lineno}: {wording!r}"
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-        for wording in ISOLATION_CHECK_WORDING
-        if wording in node.value
-    )
+    return strings_holding(source, ISOLATION_CHECK_WORDING)
 
 
 def test_the_isolation_check_finder_finds_a_check_in_an_f_string() -> None:

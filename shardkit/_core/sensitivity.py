@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardkit._core.checks import payloads_of
+from shardkit._core.checks import payload_difference, payloads_of
 from shardkit._core.conformance import _CheckFailed, _Probe
 from shardkit._core.targets import EngineFactory
 from shardkit.contract import BoundaryBundle, EngineError, PrefillRequest, Role, TokenOutput
@@ -157,14 +157,12 @@ def _answer(probe: _Probe, session_id: str, history: list[int]) -> _Answer:
 
 
 def _differs(first: _Answer, second: _Answer, tolerance: float) -> bool:
+    """Whether the answer moved beyond ``tolerance``: any other token (a near tie too: the
+    answer did change), or a row, as the oracle compares them; or the same token with a
+    reported margin that moved."""
+    if payload_difference(first, second, tolerance, near_ties_may_flip=False) is not None:
+        return True
     if isinstance(first, tuple) and isinstance(second, tuple):
-        if first[0] != second[0]:
-            return True
-        margins = (first[1], second[1])
-        return margins[0] is not None and margins[1] is not None and abs(margins[0] - margins[1]) > tolerance
-    if isinstance(first, np.ndarray) and isinstance(second, np.ndarray):
-        if first.shape != second.shape:
-            return True
-        difference = np.abs(first.astype(np.float64) - second.astype(np.float64))
-        return bool(np.nanmax(difference) > tolerance) if tolerance > 0 else first.tobytes() != second.tobytes()
-    return True
+        before, after = first[1], second[1]
+        return before is not None and after is not None and abs(before - after) > tolerance
+    return False

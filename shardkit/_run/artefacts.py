@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,13 @@ from typing import Any
 from hypothesis import settings
 from hypothesis.database import ExampleDatabase
 
-from shardkit._core.importing import FILE_MODULE_PREFIX
 from shardkit._core.model import ReferenceModel
 from shardkit._machine.observer import FailureReport
 from shardkit._machine.profiles import time_independent
 from shardkit._machine.spec import options_of
 from shardkit._machine.state_machine import ShardMachine
 from shardkit._run.regression import regression_test_source
-from shardkit._run.trace import trace_document, write_atomically, write_new
+from shardkit._run.trace import importable_name, trace_document, write_atomically, write_new
 from shardkit._run.trust import CODE_KEYS
 
 __all__ = ["Artefacts", "machine_identity", "run_settings_for"]
@@ -45,10 +43,7 @@ def machine_identity(machine: type[ShardMachine]) -> str:
     the example database's keys and a derandomized suite's seed derive from it, so two
     engines never share a file or replay each other's saved examples, while two checkouts
     of one project (a CI runner's and a laptop's) share them."""
-    target = machine._target.name
-    module_part, colon, attr = target.rpartition(":")
-    if colon and module_part.endswith(".py"):
-        target = f"{_project_path(Path(module_part))}:{attr}"
+    target = _from_project(machine._target.name)
     options = options_of(machine)
     base, model = options.base, options.model_factory
     reference = machine._reference.name if machine._reference is not None else None
@@ -74,16 +69,19 @@ def _identity_name(value: object) -> str:
         return "shardkit._machine.state_machine:ShardMachine"
     if value is ReferenceModel:
         return "shardkit._core.model:ReferenceModel"
-    module_name = getattr(value, "__module__", "?")
-    qualname = getattr(value, "__qualname__", value)
-    # A class from a file target lives in a module named for the file's absolute path: name it
-    # by its path from the run's folder, as the engine's file is, the same in every checkout.
-    file = (
-        getattr(sys.modules.get(module_name), "__file__", None) if module_name.startswith(FILE_MODULE_PREFIX) else None
-    )
-    if isinstance(file, str):
-        return f"{_project_path(Path(file))}:{qualname}"
-    return f"{module_name}:{qualname}"
+    # A class from a file target is named by its file (``importable_name``), taken from the
+    # run's folder as the engine's file is: the same in every process and checkout.
+    named = importable_name(value)
+    if named is not None:
+        return _from_project(named)
+    return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', value)}"
+
+
+def _from_project(name: str) -> str:
+    """A ``file.py:attr`` name with its file's path from the run's folder (``_project_path``);
+    a ``module:attr`` name as it is."""
+    file, colon, attr = name.rpartition(":")
+    return f"{_project_path(Path(file))}:{attr}" if colon and file.endswith(".py") else name
 
 
 def _digest(text: str, length: int = 8) -> str:
