@@ -6,6 +6,16 @@ makes the lanes' steps concrete from the sessions' state and sends every lane to
 at the same time (``shardkit._parallel.phase``), and nothing runs after it: the example ends
 there. Each step is a few small integers, like a sequential rule's, so shrinking deletes
 lane steps one by one and lowers what is left.
+
+``run_lanes`` may start the phase at the edge of the engine's capacity, with the two calls
+that meet there alone in two lanes: right before the lanes are sent, sequential steps take the
+engine's session slots or KV tokens until one (or none) is left. Races that happen only
+when two calls meet at the last slot or the last tokens need every slot or token before
+them taken at the moment the phase starts, and the two calls that want it (or one that
+frees it) in two lanes: steps drawn one by one made that phase about once in a hundred
+for an engine of four slots. The edge is a choice of ``run_lanes``, not a rule of its
+own: a rule more would be drawn instead of the others, and the races it does not start
+were found less often.
 """
 
 from __future__ import annotations
@@ -18,9 +28,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition
 
 from shardkit._core.steps import Action, step_action
-from shardkit._machine.state_machine import LIVE_CHOICES, ShardMachine, step_rule
+from shardkit._machine.state_machine import LIVE_CHOICES, MAX_CHUNK, SESSION_ID_POOLS, ShardMachine, step_rule
 
-__all__ = ["LANE_OPS", "MAX_CONCURRENCY", "lane_actions", "parallel_rules"]
+__all__ = ["EDGE_RACES", "LANE_OPS", "MAX_CONCURRENCY", "MAX_FILL_OPENINGS", "fill", "lane_actions", "parallel_rules"]
 
 #: What a lane step does, simplest first: a decode, a two-token prefill (which opens an
 #: unknown id), the opening of an id no session holds (two lanes opening race for the
@@ -40,6 +50,29 @@ MAX_CONCURRENCY = 3
 #: the racing calls apart in time and leave the shrinker more steps to take out one by one,
 #: each candidate run up to three times (an example's lanes fill as long as it goes on).
 LANE_LENGTH = 8
+#: The races at the edge of capacity a phase may start with (``run_lanes``'s ``edge``):
+#: what the fill leaves free (session slots or KV tokens, one or none), the two lane steps
+#: (``LANE_OPS``) and whether they name one session. Two openings for the last slot, two
+#: sessions' decodes for the last token, the decode that takes the last token and a cancel
+#: of its session; an opening and a release that frees the slot it needs, a decode and a
+#: release of another session that frees the tokens it needs, a session's release and its
+#: reopening at the next epoch (which takes the slot the release frees, or keeps its own).
+EDGE_RACES = (
+    ("slots", 1, "open", "open", False),
+    ("tokens", 1, "decode", "decode", False),
+    ("tokens", 1, "decode", "cancel", True),
+    ("slots", 0, "open", "release", False),
+    ("tokens", 0, "decode", "release", False),
+    ("slots", 0, "restart", "release", True),
+)
+#: The most sessions one fill opens: an engine with more slots than this (plus those already
+#: held) is not filled to its last one, and its slot edge is not reached.
+MAX_FILL_OPENINGS = 256
+#: The most prefills one fill of tokens sends (each ``MAX_CHUNK`` tokens at most).
+MAX_FILL_CHUNKS = 4
+#: The ids opened once every id of the example's pool is live (a fill of more slots than the
+#: pool has ids, or a lane's opening with the pool used up): ``slot-1``, ``slot-2``, …
+EXTRA_ID_PREFIX = "slot-"
 
 
 def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, int]]) -> list[Action]:
@@ -57,7 +90,8 @@ def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, i
         name = LANE_OPS[op] if op < len(LANE_OPS) else _MORE_OFTEN[op - len(LANE_OPS)]
         opening = name == "open"
         if opening:
-            sid = machine.session_id(LIVE_CHOICES + choice + offset)
+            unknown = _unknown_ids(machine, LANE_LENGTH * len(machine._lanes))
+            sid = unknown[(choice + offset) % len(unknown)]
         else:
             sid = _lane_session(machine, choice + offset, name)
         epoch, step = machine.position(sid)
@@ -78,15 +112,101 @@ def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, i
 
 
 def _lane_session(machine: ShardMachine, choice: int, op: str) -> str:
-    """A live session (a decode or prefill takes one that is not cancelled, when there is
-    one: a race lives between calls that are served), or an unknown id."""
+    """A live session (a decode, prefill or cancel takes one that is not cancelled, when
+    there is one: a race lives between calls that are served, and a decode and a cancel of
+    one choice then name one session), or an unknown id."""
     sessions = machine._driver.model.sessions
     live = list(sessions)
-    if op in ("decode", "prefill"):
+    if op in ("decode", "prefill", "cancel"):
         live = [sid for sid in live if not sessions[sid].cancelled] or live
     if live and choice < LIVE_CHOICES:
         return live[choice % len(live)]
     return machine.session_id(choice)
+
+
+def _unknown_ids(machine: ShardMachine, count: int) -> list[str]:
+    """The ids of the example's pool that no session holds, in the pool's order; with every
+    one of them live, ``count`` ids beyond the pool that none holds either."""
+    live = machine._driver.model.sessions
+    unknown = [sid for sid in SESSION_ID_POOLS[machine._id_pool] if sid not in live]
+    number = 0
+    while not unknown or (len(unknown) < count and number):
+        number += 1
+        if f"{EXTRA_ID_PREFIX}{number}" not in live:
+            unknown.append(f"{EXTRA_ID_PREFIX}{number}")
+    return unknown
+
+
+def fill(machine: ShardMachine, what: str, left: int, sessions: int) -> None:
+    """Bring the engine to ``left`` free session slots (``what`` "slots") or KV tokens
+    ("tokens"), sized from the engine's capabilities and the model's state (a
+    memory_pressure fault lowers the token limit), one sequential step at a time: release
+    the newest sessions while more is taken than that (for tokens, those that hold some),
+    then open sessions, or prefill. A fill of tokens opens sessions until ``sessions`` are
+    served (the sessions the race's calls name), each with one token but the last, which
+    takes what is to be filled; with enough served, it prefills the oldest. Stops at the
+    first step not served."""
+    model, caps = machine._driver.model, machine._driver.caps
+
+    def served() -> list[str]:
+        return [sid for sid, session in model.sessions.items() if not session.cancelled]
+
+    if what == "slots":
+        if not _released_while(machine, lambda: len(model.sessions) > caps.max_sessions - left, holding=False):
+            return
+        for _ in range(min(caps.max_sessions - left - len(model.sessions), MAX_FILL_OPENINGS)):
+            if machine.room() < 1 or not _served(machine, _unknown_ids(machine, 1)[0], 1):
+                return
+        return
+    if not _released_while(
+        machine, lambda: machine.room() < left or (machine.room() == left and len(served()) < sessions), holding=True
+    ):
+        return
+    for _ in range(MAX_FILL_CHUNKS + sessions):
+        length = min(machine.room() - left, MAX_CHUNK)
+        if length < 1:
+            return
+        if len(served()) >= sessions:
+            sid = served()[0]
+        elif len(model.sessions) < caps.max_sessions:
+            sid = _unknown_ids(machine, 1)[0]
+            length = length if len(served()) + 1 == sessions else 1
+        else:
+            return
+        if not _served(machine, sid, length):
+            return
+
+
+def _released_while(machine: ShardMachine, too_much: Callable[[], bool], *, holding: bool) -> bool:
+    """Release the newest session (of those holding KV tokens, if ``holding``) while
+    ``too_much()``; whether it is no longer so."""
+    sessions = machine._driver.model.sessions
+    while too_much():
+        newest = [sid for sid, session in sessions.items() if session.kv_tokens or not holding][-1:]
+        if not newest or machine.run(Action("release", {"session": newest[0]})).outcome != "OK":
+            return False
+    return True
+
+
+def _served(machine: ShardMachine, sid: str, length: int) -> bool:
+    """Prefill the next ``length`` tokens of ``sid`` (opening it if unknown); whether it was served."""
+    epoch, step = machine.position(sid)
+    return machine.run(step_action("prefill", sid, epoch, step, _ramp(machine, length))).outcome == "OK"
+
+
+def _ramp(machine: ShardMachine, length: int) -> tuple[int, ...]:
+    vocab = machine._driver.caps.vocab_size
+    return tuple(index * 3 % vocab for index in range(length))
+
+
+def _race_at_edge(machine: ShardMachine, race: int) -> None:
+    """Make the lanes hold the two steps of ``EDGE_RACES[race]`` alone, one in lane 0 and one
+    in lane 1: the steps drawn into the lanes before would run first or after them, and
+    take, free or hide what they race for (a release after the cancel that leaked, say)."""
+    _, _, op, other, same = EDGE_RACES[race]
+    machine._lanes[:] = [[] for _ in machine._lanes]
+    machine._lanes[0].append((LANE_OPS.index(op), 0, 0))
+    machine._lanes[1].append((LANE_OPS.index(other), 0, 0 if same else 1))
 
 
 def _add(machine: ShardMachine, lane: int, op: int, session: int, offset: int | None = None) -> None:
@@ -133,13 +253,19 @@ def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Call
         _add(self, 0, other, session, 0)
 
     @precondition(_ready)
-    @step_rule()
-    def run_lanes(self: ShardMachine) -> None:
+    @step_rule(edge=st.integers(0, len(EDGE_RACES)))
+    def run_lanes(self: ShardMachine, edge: int = 0) -> None:
         """Send every lane to the engine at the same time (two lanes hold steps at least, and
         no injected fault waits for a call: a lane's call would take it at random): the
-        example's last steps."""
-        if _ready(self):  # the minimiser replays rules without their preconditions
-            self._run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self._lanes)])
+        example's last steps. ``edge`` past 0 starts the phase with the race
+        ``EDGE_RACES[edge - 1]`` at the edge of the engine's capacity (``_race_at_edge``)."""
+        if not _ready(self):  # the minimiser replays rules without their preconditions
+            return
+        if edge:
+            what, left, _, _, same = EDGE_RACES[edge - 1]
+            _race_at_edge(self, edge - 1)
+            fill(self, what, left, 1 if same else 2)
+        self._run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self._lanes)])
 
     def teardown(self: ShardMachine) -> None:
         """An example whose lanes hold steps ends with their phase even when it did not draw

@@ -117,11 +117,22 @@ class ForkServer:
             while not self._ready:
                 code = self.process.poll()
                 if code is not None or self._lost:
-                    raise ForkUnavailable(f"the fork server {_ended(code)} before it was ready{self._tail()}")
+                    raise ForkUnavailable(f"the fork server {_ended(self._end_code(code))} before it was ready{self._tail()}")
                 if time.monotonic() > deadline:
                     message = f"the fork server was not ready within {seconds:g} s (importing the target takes longer?)"
                     raise ForkUnavailable(message)
                 self._changed.wait(0.05)
+
+    def _end_code(self, polled: int | None) -> int | None:
+        """The zygote's exit code, once it ended or its connection closed: a zygote whose
+        connection closed is ending, and a poll right then often still finds it running
+        (which named a zygote killed by a signal as one that closed its connection)."""
+        if polled is not None:
+            return polled
+        try:
+            return self.process.wait(_CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            return None
 
     def fork(self, number: int, url: str, log_path: Path) -> ForkedProcess:
         """A worker forked from the zygote, to serve on ``url`` with its output in ``log_path``."""
@@ -142,7 +153,7 @@ class ForkServer:
             while number not in self._forked:
                 code = self.process.poll()
                 if code is not None or self._lost:
-                    raise ForkUnavailable(f"the fork server {_ended(code)}{self._tail()}")
+                    raise ForkUnavailable(f"the fork server {_ended(self._end_code(code))}{self._tail()}")
                 if time.monotonic() > deadline:
                     raise ForkUnavailable(f"the fork server did not answer a fork request within {FORK_ANSWER_SECONDS:g} s")
                 self._changed.wait(0.05)

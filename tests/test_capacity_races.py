@@ -1,0 +1,151 @@
+"""Races at the edge of capacity: a phase may start with every session slot or KV token but
+one (or none) taken, with the two calls that meet there alone in two lanes. The fill is
+sized from the engine's capabilities (however many slots and tokens it declares), the
+racing engines planted at the edge are found at every seed, and the bundled engines are
+never flagged with three lanes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from hypothesis import settings
+
+from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine, machine_for
+from shardkit._core.steps import PARALLEL_OP, Action
+from shardkit._core.targets import parse_target
+from shardkit._machine.build import build_machine
+from shardkit._machine.parallel_rules import EDGE_RACES, MAX_FILL_OPENINGS, fill
+from shardkit._machine.spec import MachineOptions
+from shardkit._machine.state_machine import SESSION_ID_POOLS, ShardMachine
+from shardkit._planted.racy import (
+    CancelOnFinalDecodePinsKv,
+    LastSlotCheckThenAct,
+    LastTokensCheckThenAct,
+    RacyEngine,
+    ReleaseFreesByIdLater,
+)
+from shardkit._run.options import Budgets
+from shardkit._run.result import FuzzResult
+from shardkit._run.runner import run_machine
+from shardkit.engines.fake import FakeShardEngineConfig
+
+AT_THE_EDGE = (LastSlotCheckThenAct, LastTokensCheckThenAct, ReleaseFreesByIdLater, CancelOnFinalDecodePinsKv)
+FINDING_ONLY = Budgets(shrink_steps=3_000, shrink_examples=300)
+
+
+class TwelveSlots(FakeShardEngine):
+    """More slots than any pool of session ids holds, and a larger KV budget than the fake's."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeShardEngineConfig(max_sessions=12, max_kv_tokens=1000))
+
+
+class TooManySlots(FakeShardEngine):
+    def __init__(self) -> None:
+        super().__init__(
+            FakeShardEngineConfig(max_sessions=MAX_FILL_OPENINGS + 10, max_kv_tokens=2 * MAX_FILL_OPENINGS)
+        )
+
+
+def started(engine: type[FakeShardEngine], id_pool: int = 0) -> ShardMachine:
+    machine = machine_for(engine, role="full", faults="none", concurrency=2)()
+    machine.load_engine(layout=0, id_pool=id_pool)
+    return machine
+
+
+def served(machine: ShardMachine) -> list[str]:
+    return [sid for sid, session in machine.sessions.items() if not session.cancelled]
+
+
+def test_a_fill_of_slots_takes_all_but_the_last_whatever_the_engine_declares() -> None:
+    # The family pool holds three ids: the other nine sessions open under ids of their own.
+    machine = started(TwelveSlots, id_pool=1)
+    fill(machine, "slots", 1, 1)
+    assert len(machine.sessions) == 11
+    assert list(machine.sessions)[:3] == list(SESSION_ID_POOLS[1])
+    assert "slot-1" in machine.sessions
+    assert all(record.outcome == "OK" for record in machine._driver.records)
+    fill(machine, "slots", 0, 1)
+    assert len(machine.sessions) == 12
+    assert len(machine._driver.records) == 12  # one opening a step, nothing sent twice
+
+
+def test_a_fill_of_slots_opens_at_most_its_limit() -> None:
+    machine = started(TooManySlots)
+    fill(machine, "slots", 1, 1)
+    assert len(machine.sessions) == MAX_FILL_OPENINGS
+
+
+@pytest.mark.parametrize("sessions", [1, 2])
+@pytest.mark.parametrize("left", [1, 0])
+def test_a_fill_of_tokens_leaves_what_it_is_asked_to_in_as_few_steps_as_it_can(sessions: int, left: int) -> None:
+    machine = started(TwelveSlots)
+    fill(machine, "tokens", left, sessions)
+    assert machine.room() == left
+    assert len(served(machine)) == sessions
+    assert len(machine._driver.records) == sessions  # the last opening takes what is to be filled
+    machine = started(TwelveSlots)
+    machine.prefill(session=0, chunk=2)  # a session already served is filled, not a new one opened
+    fill(machine, "tokens", left, 1)
+    assert (machine.room(), len(served(machine)), len(machine._driver.records)) == (left, 1, 2)
+
+
+def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes() -> None:
+    for race, (what, left, op, other, same) in enumerate(EDGE_RACES, start=1):
+        machine = started(TwelveSlots)
+        machine.lane_decode(lane=0, session=0)
+        machine.lane_decode(lane=0, session=0)
+        seen: dict[str, object] = {}
+
+        def starts(lanes: list[list[Action]], machine: ShardMachine = machine, seen: dict[str, object] = seen) -> None:
+            seen.update(lanes=lanes, slots=12 - len(machine.sessions), tokens=machine.room())
+
+        machine._run_phase = starts  # type: ignore[method-assign]
+        machine.run_lanes(edge=race)
+        assert seen[what] == left, (race, seen)
+        lanes = seen["lanes"]
+        assert isinstance(lanes, list)
+        firsts = [lane[0] for lane in lanes]
+        kinds = [action.op for action in firsts]
+        expected = ["prefill" if name in ("open", "restart") else name for name in (op, other)]
+        assert kinds == expected, (race, kinds)
+        assert len({action.args["session"] for action in firsts}) == (1 if same else 2), (race, firsts)
+        assert [len(lane) for lane in lanes] == [1, 1], (race, lanes)  # the decodes drawn before are gone
+
+
+def fuzzed(engine: object, seed: int, examples: int, concurrency: int) -> FuzzResult:
+    machine = build_machine(parse_target(engine), MachineOptions(faults="none", concurrency=concurrency))  # type: ignore[arg-type]
+    run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
+    return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)
+
+
+@pytest.mark.parametrize("engine", AT_THE_EDGE, ids=lambda engine: engine.__name__)
+def test_a_race_at_the_edge_is_found_at_every_seed(engine: type[RacyEngine]) -> None:
+    missed = []
+    for seed in range(1, 6):
+        failure = fuzzed(engine, seed, 200, 2).failure
+        if failure is None or failure.violation.property not in engine.PROPERTIES:
+            missed.append(seed)
+        else:
+            assert failure.records[-1].action.op == PARALLEL_OP, failure.violation.message
+    assert not missed, f"{engine.__name__} ({engine.RACE}) missed at seeds {missed} of 1-5"
+
+
+LLAMA = "shardkit.engines.llama_cpp:LlamaCppShardEngine"
+BUNDLED = (FakeShardEngine, NumpyShardEngine, PipelineEngine, LLAMA)
+
+
+@pytest.mark.parametrize("seed", range(1, 6))
+@pytest.mark.parametrize(
+    "engine", BUNDLED, ids=lambda engine: getattr(engine, "__name__", str(engine).rpartition(":")[2])
+)
+def test_the_bundled_engines_are_never_flagged_with_three_lanes(engine: object, seed: int) -> None:
+    if engine == LLAMA and importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("SHARDKIT_REQUIRE_LLAMA") == "1":
+            pytest.fail("llama.cpp is not installed (SHARDKIT_REQUIRE_LLAMA=1): pip install 'shardkit[llama]'")
+        pytest.skip("llama.cpp is not installed: pip install 'shardkit[llama]'")
+    result = fuzzed(engine, seed, 100, 3)
+    assert result.failure is None, result.failure.violation.message if result.failure else ""
+    assert result.coverage[(PARALLEL_OP, "OK")] > 0
