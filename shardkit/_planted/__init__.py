@@ -47,6 +47,21 @@ from shardkit._planted.reach import PressureLeaksReleasedTokens as PressureLeaks
 from shardkit._planted.reach import RestartKeepsCancelledFlag as RestartKeepsCancelledFlag
 from shardkit._planted.reach import SessionsKeyedOnIdPrefix as SessionsKeyedOnIdPrefix
 from shardkit._planted.reach import SessionSurvivesCrash as SessionSurvivesCrash
+from shardkit._planted.upstream import UPSTREAM_PLANTED
+from shardkit._planted.upstream import AbortedIdStaysInTheTable as AbortedIdStaysInTheTable
+from shardkit._planted.upstream import AbortOfAFinishedRequestKeepsItsBlocks as AbortOfAFinishedRequestKeepsItsBlocks
+from shardkit._planted.upstream import CancelAfterTheFinalChunkLeaksAToken as CancelAfterTheFinalChunkLeaksAToken
+from shardkit._planted.upstream import CropToZeroKeepsTheCache as CropToZeroKeepsTheCache
+from shardkit._planted.upstream import DoubleFreeInflatesTheFreeCount as DoubleFreeInflatesTheFreeCount
+from shardkit._planted.upstream import FullPromptMatchAnswersStaleLogits as FullPromptMatchAnswersStaleLogits
+from shardkit._planted.upstream import PrefixCacheRestoresTheLastEntry as PrefixCacheRestoresTheLastEntry
+from shardkit._planted.upstream import ReleaseAfterCancelFreesTwice as ReleaseAfterCancelFreesTwice
+from shardkit._planted.upstream import ResetKeepsTheOldLength as ResetKeepsTheOldLength
+from shardkit._planted.upstream import RestartReuseDropsAReusedToken as RestartReuseDropsAReusedToken
+from shardkit._planted.upstream import ReusedSlotKeepsTheOldConversation as ReusedSlotKeepsTheOldConversation
+from shardkit._planted.upstream import SharedPrefixFreedWithItsFirstOwner as SharedPrefixFreedWithItsFirstOwner
+from shardkit._planted.upstream import StaleAbortHitsTheReusedId as StaleAbortHitsTheReusedId
+from shardkit._planted.upstream import UnifiedCacheKeyedOnPosition as UnifiedCacheKeyedOnPosition
 
 
 def _with_ids(request: StepRequest, epoch: int, step: int) -> StepRequest:
@@ -494,4 +509,5 @@ PLANTED: tuple[type[PlantedEngine], ...] = (
     RestartKeepsOldEpochCache,
     *REACH_PLANTED,
     *EXTREME_PLANTED,
+    *UPSTREAM_PLANTED,
 )
