@@ -4,6 +4,8 @@ state that outlives a release, KV blocks kept or freed twice around a cancel, sh
 pages freed with their first owner, slots and prompt caches restoring another conversation,
 a unified cache keyed on position alone, cache resets and crops that leave stale state.
 
+A report is cited as ``owner/repository#number`` of its project's tracker.
+
 Each wraps the fake like the engines of ``shardkit._planted``, which lists them in
 ``PLANTED`` (``UPSTREAM_PLANTED`` here), is correct whenever its trigger does not happen,
 and states its BUG, PROPERTY and an executable MINIMAL. The trigger is the report's, said
@@ -94,7 +96,7 @@ def _refused(engine: PlantedEngine, request: PrefillRequest, code: StatusCode, m
 
 class StaleAbortHitsTheReusedId(PlantedEngine):
     """vLLM #23697, "Recycling request IDs can lead to requests leaking in the engine due to
-    race condition in the cancellation logic" (https://github.com/vllm-project/vllm/issues/23697;
+    race condition in the cancellation logic" (vllm-project/vllm#23697;
     fixed by PR #24382): an abort reaches the engine core after the request is gone, keyed by
     its id, and a new request added under the same id takes it."""
 
@@ -122,7 +124,7 @@ class StaleAbortHitsTheReusedId(PlantedEngine):
 
 class AbortedIdStaysInTheTable(PlantedEngine):
     """SGLang PR #24070, "[BugFix] Fix rid_to_state leak for aborted queued requests"
-    (https://github.com/sgl-project/sglang/pull/24070): the abort path of a request that has
+    (sgl-project/sglang#24070): the abort path of a request that has
     not run leaves its entry in ``rid_to_state``; the id counts as live and cannot be reused."""
 
     BUG = "a cancelled session's release leaves its id in the session table: it still counts as active"
@@ -165,7 +167,7 @@ class _Leaking(PlantedEngine):
 
 class CancelAfterTheFinalChunkLeaksAToken(_Leaking):
     """SGLang #34149, "[Bug] Abort can commit a delayed final chunked-prefill token on latest
-    main" (https://github.com/sgl-project/sglang/issues/34149; fixed by PR #34153), and PR
+    main" (sgl-project/sglang#34149; fixed by PR #34153), and PR
     #37295, "fix: drop in-flight abort token from visible output in chunked prefill": an abort
     that lands while a prefill's sampled token is still to be committed commits it, and the
     release accounting, derived from the output length, leaves one KV pool token behind."""
@@ -204,8 +206,8 @@ class CancelAfterTheFinalChunkLeaksAToken(_Leaking):
 
 class AbortOfAFinishedRequestKeepsItsBlocks(PlantedEngine):
     """vLLM PR #25067, "[NIXL] Ignore abort on already-finished request"
-    (https://github.com/vllm-project/vllm/pull/25067), and PR #35506, "[Core] Proactively free
-    KV cache blocks when aborting finished requests" (https://github.com/vllm-project/vllm/pull/35506):
+    (vllm-project/vllm#25067), and PR #35506, "[Core] Proactively free
+    KV cache blocks when aborting finished requests" (vllm-project/vllm#35506):
     an abort that lands on a request whose last step finished it is taken as a normal finish,
     and its KV blocks stay held until a timeout. Here a step that fills the KV budget
     finishes the request (there is no room for another token)."""
@@ -245,7 +247,7 @@ class AbortOfAFinishedRequestKeepsItsBlocks(PlantedEngine):
 
 class ReleaseAfterCancelFreesTwice(PlantedEngine):
     """TensorRT-LLM PR #12816, "[TRTLLM-10938][feat] Enable block reuse with overlap scheduler"
-    (https://github.com/NVIDIA/TensorRT-LLM/pull/12816): two paths terminate the same request
+    (NVIDIA/TensorRT-LLM#12816): two paths terminate the same request
     and each calls ``free_resources`` on it. Here the cancel frees the session's KV blocks and
     its release frees them again: the count of blocks in use drops below what other sessions
     hold (it cannot go below zero)."""
@@ -284,7 +286,7 @@ class ReleaseAfterCancelFreesTwice(PlantedEngine):
 
 class DoubleFreeInflatesTheFreeCount(PlantedEngine):
     """vLLM #42571, "[Bug]: KV Block double free when using eager SimpleCPUOffloading + Sliding
-    window attention" (https://github.com/vllm-project/vllm/issues/42571): one block is listed
+    window attention" (vllm-project/vllm#42571): one block is listed
     twice among a request's blocks, and freeing the request frees it twice, so the free count
     rises by two blocks for one. Here a session of more than one block of 16 tokens lists its
     first block twice."""
@@ -315,7 +317,7 @@ class DoubleFreeInflatesTheFreeCount(PlantedEngine):
 
 
 class SharedPrefixFreedWithItsFirstOwner(_Scratch):
-    """vLLM PR #3347, "Fixes #1556 double free" (https://github.com/vllm-project/vllm/pull/3347):
+    """vLLM PR #3347, "Fixes #1556 double free" (vllm-project/vllm#3347):
     sequences share the blocks of a common prefix, and freeing one sequence frees the shared
     blocks while the other still uses them. Here a session opened with a prompt that begins
     as a live session's history shares the blocks of what they have in common; when that
@@ -387,7 +389,7 @@ def _common_prefix(first: tuple[int, ...], second: tuple[int, ...]) -> int:
 class ReusedSlotKeepsTheOldConversation(_Scratch):
     """llama.cpp #27148, "server: RAM-backed prompt cache (--cache-ram/--cache-idle-slots)
     restores content from an unrelated conversation into a fresh slot under concurrent load"
-    (https://github.com/ggml-org/llama.cpp/issues/27148; fixed by PR #27624, "server: clear
+    (ggml-org/llama.cpp#27148; fixed by PR #27624, "server: clear
     stale state when reusing LRU-selected slots"): a slot taken as an eviction victim is not
     cleared, and the new request continues the previous conversation. Here the session opened
     next after a release takes the released session's slot, stale tokens and all."""
@@ -431,7 +433,7 @@ class ReusedSlotKeepsTheOldConversation(_Scratch):
 
 class FullPromptMatchAnswersStaleLogits(_Scratch):
     """llama.cpp #28526, "Eval bug: --cache-reuse 1 returns HTTP 200 with an empty completion"
-    (https://github.com/ggml-org/llama.cpp/issues/28526): a request repeated after a finished
+    (ggml-org/llama.cpp#28526): a request repeated after a finished
     one is matched in full against the slot's cached tokens, nothing is left to evaluate, and
     the answer comes from the logits the slot computed last. Here a prompt that the cache of
     a released session begins with, when that session went on past it, is answered with that
@@ -474,12 +476,14 @@ class FullPromptMatchAnswersStaleLogits(_Scratch):
 
 class UnifiedCacheKeyedOnPosition(_Scratch):
     """llama.cpp #27994, "Eval bug: Parallel Runs with Unified KV Cache Cuases Loss of
-    Coherency on qwen4exp" (https://github.com/ggml-org/llama.cpp/issues/27994): with one
+    Coherency on qwen4exp" (ggml-org/llama.cpp#27994): with one
     cache shared by every sequence, a map of its cells keyed on position alone lets the
     sequence that wrote a position last win it. Here a session's step reads, at each position
     of its history, the token the last session to write that position wrote."""
 
-    BUG = "one cache for all sessions, its cells keyed on position only: a session reads another's token where both wrote"
+    BUG = (
+        "one cache for all sessions, its cells keyed on position only: a session reads another's token where both wrote"
+    )
     PROPERTY = "§3 determinism"
     MINIMAL = (prefill("a"), prefill("b", tokens=(3,), note="writes position 0 too"), decode("a"))
 
@@ -528,7 +532,7 @@ class _Restarts(_Scratch):
 
 class ResetKeepsTheOldLength(_Restarts):
     """transformers PR #48809, "Fix `reset` on the dynamic cache layers"
-    (https://github.com/huggingface/transformers/pull/48809), and PR #48509, "Fix
+    (huggingface/transformers#48809), and PR #48509, "Fix
     DynamicCache.reset() leaving the cache in a corrupt, non-empty state": ``reset()`` zeroes a
     dynamic layer's tensors in place but keeps their length, so ``get_seq_length()`` still
     reports the old one. Here a restart resets the session's cache, and its length counts on
@@ -563,7 +567,7 @@ class ResetKeepsTheOldLength(_Restarts):
 
 class CropToZeroKeepsTheCache(_Restarts):
     """transformers #47433, "DynamicCache.crop(0) retains the full KV cache and oversized
-    negative crops retain stale tokens" (https://github.com/huggingface/transformers/issues/47433;
+    negative crops retain stale tokens" (huggingface/transformers#47433;
     fixed by PR #47977): ``crop(max_length)`` reads every length of 0 or below as relative to
     the end, so ``crop(0)`` keeps everything. Here a restart keeps what the new prompt shares
     with the old epoch's history by cropping the cache to that length, then appends the rest:
@@ -601,7 +605,7 @@ class CropToZeroKeepsTheCache(_Restarts):
 
 class RestartReuseDropsAReusedToken(_Restarts):
     """llama.cpp #12160, "Misc. bug: Calculating the position of kv cache error in llama sever"
-    (https://github.com/ggml-org/llama.cpp/issues/12160; fixed by PR #12161, "Server: Cache
+    (ggml-org/llama.cpp#12160; fixed by PR #12161, "Server: Cache
     position calculation error"): when a new prompt reuses the cached tokens it shares with
     the slot's old prompt, the position bookkeeping is not moved with them, and the next
     removal takes a valid reused token out. Here a restart whose prompt shares two or more
@@ -644,7 +648,7 @@ class RestartReuseDropsAReusedToken(_Restarts):
 
 class PrefixCacheRestoresTheLastEntry(_Scratch):
     """mistral.rs #1026, "Text models output gibberish after multiple requests"
-    (https://github.com/EricLBuehler/mistral.rs/issues/1026; PR #1035, "Patch prefix caching
+    (EricLBuehler/mistral.rs#1026; PR #1035, "Patch prefix caching
     to fix incorrect outputs"): with the prefix cacher on, a repeated prompt is matched but the
     cache restored for it is not the matched entry's. Here the caches of released sessions are
     kept by prompt, and a hit restores the cache stored last: right when it is the match."""
