@@ -10,14 +10,10 @@ import importlib.util
 import os
 
 import pytest
-from hypothesis import settings
 
 from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine, machine_for
 from shardkit._core.steps import PARALLEL_OP, Action
-from shardkit._core.targets import parse_target
-from shardkit._machine.build import build_machine
 from shardkit._machine.parallel_rules import EDGE_RACES, MAX_FILL_OPENINGS, fill
-from shardkit._machine.spec import MachineOptions
 from shardkit._machine.state_machine import SESSION_ID_POOLS, ShardMachine
 from shardkit._planted.racy import (
     CancelOnFinalDecodePinsKv,
@@ -26,13 +22,10 @@ from shardkit._planted.racy import (
     RacyEngine,
     ReleaseFreesByIdLater,
 )
-from shardkit._run.options import Budgets
-from shardkit._run.result import FuzzResult
-from shardkit._run.runner import run_machine
 from shardkit.engines.fake import FakeShardEngineConfig
+from tests.test_parallel_racy import fuzzed
 
 AT_THE_EDGE = (LastSlotCheckThenAct, LastTokensCheckThenAct, ReleaseFreesByIdLater, CancelOnFinalDecodePinsKv)
-FINDING_ONLY = Budgets(shrink_steps=3_000, shrink_examples=300)
 
 
 class TwelveSlots(FakeShardEngine):
@@ -113,12 +106,6 @@ def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes(
         assert kinds == expected, (race, kinds)
         assert len({action.args["session"] for action in firsts}) == (1 if same else 2), (race, firsts)
         assert [len(lane) for lane in lanes] == [1, 1], (race, lanes)  # the decodes drawn before are gone
-
-
-def fuzzed(engine: object, seed: int, examples: int, concurrency: int) -> FuzzResult:
-    machine = build_machine(parse_target(engine), MachineOptions(faults="none", concurrency=concurrency))  # type: ignore[arg-type]
-    run_settings = settings(max_examples=examples, stateful_step_count=50, database=None, deadline=None)
-    return run_machine(machine, run_settings, seed=seed, out=None, minimize=False, budgets=FINDING_ONLY)
 
 
 @pytest.mark.parametrize("engine", AT_THE_EDGE, ids=lambda engine: engine.__name__)

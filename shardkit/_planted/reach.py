@@ -163,15 +163,9 @@ class PrefixCacheKeyedOnFirst3Tokens(PlantedEngine):
         return replace(result, output=cached.output)
 
 
-class DecodeWindowsTheLast20Tokens(_Tracking):
-    BUG = "the decode fast path computes its token from the last 20 tokens only: wrong once a history is longer"
-    PROPERTY = "§3 determinism"
-    # One prefill of 21 tokens: the twin fed one token per decode windows its last decode and
-    # disagrees with the recompute in one prefill; where the random chunking decodes past the
-    # window, the pipeline of twins (a head and a tail, without the fast path) disagrees first.
-    ALSO = ("§3 composition",)
-    WINDOW: ClassVar[int] = 20
-    MINIMAL = (prefill("a", tokens=(1, *(0,) * 20), note="21 tokens: the last decode's window drops the first"),)
+class _Scratch(_Tracking):
+    """Keeps each live session's history, and a second fake loaded as the engine is, to
+    compute what the engine answers for a history it gets wrong."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,6 +177,14 @@ class DecodeWindowsTheLast20Tokens(_Tracking):
             self.scratch.load(request)
         return loaded
 
+    def answer_for(self, result: StepResult, history: tuple[int, ...]) -> StepResult:
+        """``result`` with the output the model gives after ``history`` (its last token the one it answers)."""
+        if not history:
+            return result
+        computed = self.scratch.prefill(PrefillRequest("scratch", 0, 0, token_ids=history))
+        self.scratch.release("scratch")
+        return replace(result, output=computed.output)
+
     def prefill(self, request: PrefillRequest) -> StepResult:
         result = self.inner.prefill(request)
         self._accepted(request, result)
@@ -191,6 +193,22 @@ class DecodeWindowsTheLast20Tokens(_Tracking):
     def decode(self, request: DecodeRequest) -> StepResult:
         result = self.inner.decode(request)
         self._accepted(request, result)
+        return result
+
+
+
+class DecodeWindowsTheLast20Tokens(_Scratch):
+    BUG = "the decode fast path computes its token from the last 20 tokens only: wrong once a history is longer"
+    PROPERTY = "§3 determinism"
+    # One prefill of 21 tokens: the twin fed one token per decode windows its last decode and
+    # disagrees with the recompute in one prefill; where the random chunking decodes past the
+    # window, the pipeline of twins (a head and a tail, without the fast path) disagrees first.
+    ALSO = ("§3 composition",)
+    WINDOW: ClassVar[int] = 20
+    MINIMAL = (prefill("a", tokens=(1, *(0,) * 20), note="21 tokens: the last decode's window drops the first"),)
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = super().decode(request)
         history = self.histories.get(request.session_id)
         # The fast path is the full model's (token ids in, a token out): a shard of a split
         # model decodes the slow way, so the kit's pipeline of twins computes it right.
@@ -200,9 +218,7 @@ class DecodeWindowsTheLast20Tokens(_Tracking):
         if len(tokens) <= self.WINDOW:
             return result
         # What the fast path computes: a fresh history of the window alone.
-        window = self.scratch.prefill(PrefillRequest("window", 0, 0, token_ids=tokens[-self.WINDOW :]))
-        self.scratch.release("window")
-        return replace(result, output=window.output)
+        return self.answer_for(result, tokens[-self.WINDOW :])
 
 
 class _Survivors:

@@ -22,9 +22,6 @@ from typing import ClassVar
 
 from shardkit import (
     CacheResult,
-    FakeShardEngine,
-    LoadRequest,
-    LoadResult,
     MetricsResult,
     PrefillRequest,
     StatusCode,
@@ -33,7 +30,7 @@ from shardkit import (
 )
 from shardkit._planted.base import PlantedEngine, StepRequest
 from shardkit._planted.minimal import KvTokens, cancel, decode, prefill, release
-from shardkit._planted.reach import _tokens_of, _Tracking
+from shardkit._planted.reach import _Scratch, _tokens_of
 from shardkit.contract import DecodeRequest
 
 __all__ = [
@@ -53,39 +50,6 @@ __all__ = [
     "StaleAbortHitsTheReusedId",
     "UnifiedCacheKeyedOnPosition",
 ]
-
-
-class _Scratch(_Tracking):
-    """Keeps each live session's history, and a second fake loaded as the engine is, to
-    compute what the engine answers for a history it gets wrong."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scratch = FakeShardEngine()
-
-    def load(self, request: LoadRequest) -> LoadResult:
-        loaded = super().load(request)
-        if loaded.status.ok:
-            self.scratch.load(request)
-        return loaded
-
-    def answer_for(self, result: StepResult, history: tuple[int, ...]) -> StepResult:
-        """``result`` with the output the model gives after ``history`` (its last token the one it answers)."""
-        if not history:
-            return result
-        computed = self.scratch.prefill(PrefillRequest("scratch", 0, 0, token_ids=history))
-        self.scratch.release("scratch")
-        return replace(result, output=computed.output)
-
-    def prefill(self, request: PrefillRequest) -> StepResult:
-        result = self.inner.prefill(request)
-        self._accepted(request, result)
-        return result
-
-    def decode(self, request: DecodeRequest) -> StepResult:
-        result = self.inner.decode(request)
-        self._accepted(request, result)
-        return result
 
 
 def _refused(engine: PlantedEngine, request: PrefillRequest, code: StatusCode, message: str) -> StepResult:
