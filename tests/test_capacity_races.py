@@ -13,6 +13,8 @@ import pytest
 
 from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine, machine_for
 from shardkit._core.steps import PARALLEL_OP, Action
+from shardkit._machine.minimize import PHASE_RULE, _phase_at_each_edge
+from shardkit._machine.observer import Choice
 from shardkit._machine.parallel_rules import EDGE_RACES, MAX_FILL_OPENINGS, fill
 from shardkit._machine.state_machine import SESSION_ID_POOLS, ShardMachine
 from shardkit._planted.racy import (
@@ -136,3 +138,27 @@ def test_the_bundled_engines_are_never_flagged_with_three_lanes(engine: object, 
     result = fuzzed(engine, seed, 100, 3)
     assert result.failure is None, result.failure.violation.message if result.failure else ""
     assert result.coverage[(PARALLEL_OP, "OK")] > 0
+
+
+def test_the_minimiser_tries_the_closing_phase_at_each_edge_and_keeps_the_shortest() -> None:
+    drawn = [Choice("prefill", (("session", index), ("chunk", 0))) for index in range(5)]
+    lanes = [Choice("lane_decode", (("lane", 0), ("session", index))) for index in range(8)]
+    long_phase = [*drawn, *lanes, Choice(PHASE_RULE, ())]
+    fails_at = {0: 21, 3: 40, 4: 40}  # calls of the failure at each edge: none at 1 and 2
+    shrunk_to = {3: 3, 4: 9}  # and once shrunk
+    tried: list[int] = []
+
+    def failing_length(choices: list[Choice]) -> int | None:
+        edge = dict(choices[-1].arguments).get("edge", 0)
+        return fails_at.get(edge) if len(choices) == len(long_phase) else shrunk_to[edge]
+
+    def shrink(choices: list[Choice]) -> list[Choice]:
+        tried.append(dict(choices[-1].arguments)["edge"])
+        return [lanes[0], lanes[1], choices[-1]]
+
+    shortest = _phase_at_each_edge(long_phase, failing_length, shrink, range(1, len(EDGE_RACES) + 1))
+    assert shortest == [lanes[0], lanes[1], Choice(PHASE_RULE, (("edge", 3),))]
+    assert tried == [3, 4]  # only the edges whose phase still fails are shrunk
+    shrunk_to.update({3: 30, 4: 21})  # no edge gives a shorter failure: the choices stay as they were
+    assert _phase_at_each_edge(long_phase, failing_length, shrink, range(1, 5)) == long_phase
+    assert _phase_at_each_edge(drawn, failing_length, shrink, range(1, 5)) == drawn  # no phase, nothing to try

@@ -7,14 +7,19 @@ made smaller while the *same* property is still violated:
    ones), lower each small integer towards 0, then delete one rule while
    changing one argument of another to any value (two coordinated edits, for
    short failures), then move one step to the front and lower the arguments
-   again (a fault injected first fails sooner) — re-deriving every concrete step
-   from the model's state, so later steps renumber themselves;
+   again (a fault injected first fails sooner), then start a closing parallel
+   phase at each edge of capacity and shrink again (a race found in a long phase
+   shows in two calls at its edge) — re-deriving every concrete step from the
+   model's state, so later steps renumber themselves;
 2. on the concrete steps themselves, the form a trace replays — delete runs
    again, down to single steps, until no single deletion keeps the failure; a
    parallel phase that ends the failure loses single steps of its lanes too.
 
 Steps that hold a parallel phase replay up to ``_phase_runs`` times each (a race
 shows on some runs only), so their 1-minimality is up to that many runs.
+
+The shortest failure is the one of fewest calls: a step is one, a parallel phase
+as many as its lanes hold.
 
 The result is 1-minimal under trace replay by construction, unless the replay
 budget ran out first (``MinimizedFailure.one_minimal`` says which).
@@ -94,6 +99,15 @@ def _replay_choices(
     except StepFailed:
         return observer.failure
     return None
+
+
+def _calls(failure: FailureReport) -> int:
+    """The calls a failure makes: a step is one, a parallel phase as many as its lanes hold
+    (a phase of 16 calls is no shorter than 16 steps to the reader)."""
+    return sum(
+        sum(len(lane) for lane in record.action.args["lanes"]) if record.action.op == PARALLEL_OP else 1
+        for record in failure.records
+    )
 
 
 def _delete_runs(items: list[T], still_fails: Callable[[list[T]], bool], budget: _Budget) -> tuple[list[T], bool]:
@@ -247,6 +261,38 @@ def _move_to_front(
     return choices
 
 
+#: The rule that runs an example's parallel phase, and its choice of an edge of capacity
+#: (``shardkit._machine.parallel_rules``).
+PHASE_RULE, EDGE_ARGUMENT = "run_lanes", "edge"
+
+
+def _phase_at_each_edge(
+    choices: list[Choice],
+    failing_length: Callable[[list[Choice]], int | None],
+    shrink: Callable[[list[Choice]], list[Choice]],
+    edges: Sequence[int],
+) -> list[Choice]:
+    """Start the phase that ends ``choices`` at each edge of capacity in turn, shrink each
+    one that still fails and keep the shortest failure: a race first found in a long phase
+    of drawn lane steps (16 calls, after 33 steps) shows at its edge in two calls after the
+    fill, a rewrite no deletion or lowering makes (the edge is an argument Hypothesis
+    lowers towards no edge)."""
+    if not choices or choices[-1].rule != PHASE_RULE:
+        return choices
+    best, shortest = choices, failing_length(choices)
+    for edge in edges:
+        if shortest is None:
+            break
+        candidate = [*choices[:-1], Choice(PHASE_RULE, ((EDGE_ARGUMENT, edge),))]
+        if candidate[-1] == choices[-1] or failing_length(candidate) is None:
+            continue
+        shrunk = shrink(candidate)
+        length = failing_length(shrunk)
+        if length is not None and length < shortest:
+            best, shortest = shrunk, length
+    return best
+
+
 def minimize_failure(
     machine: type[ShardMachine], failure: FailureReport, *, max_replays: int = 5000
 ) -> MinimizedFailure:
@@ -263,7 +309,7 @@ def minimize_failure(
         budget.replays += 1
         if found is None or found.violation.property != target:
             return False
-        if len(found.records) <= len(best.records):
+        if _calls(found) <= _calls(best):
             best = found
         return True
 
@@ -271,9 +317,9 @@ def minimize_failure(
         return same_failure(_replay_choices(machine, failure, choices))
 
     def failing_length(choices: list[Choice]) -> int | None:
-        """The steps of the replay's failure of the same property (None: no such failure)."""
+        """The calls of the replay's failure of the same property (None: no such failure)."""
         found = _replay_choices(machine, failure, choices)
-        return len(found.records) if same_failure(found) and found is not None else None
+        return _calls(found) if same_failure(found) and found is not None else None
 
     def actions_fail(actions: list[Action]) -> bool:
         return same_failure(replay_actions(machine, failure, actions))
@@ -286,7 +332,13 @@ def minimize_failure(
         choices = _lower_arguments(choices, choices_fail, budget)
         choices = _delete_and_repair(choices, choices_fail, budget, argument_ranges(machine))
         choices = _lower_arguments(choices, choices_fail, budget)
-        _move_to_front(choices, failing_length, lambda moved: _lower_arguments(moved, choices_fail, budget), budget)
+        choices = _move_to_front(
+            choices, failing_length, lambda moved: _lower_arguments(moved, choices_fail, budget), budget
+        )
+        edges = argument_ranges(machine).get(PHASE_RULE, {}).get(EDGE_ARGUMENT, range(0))
+        _phase_at_each_edge(
+            choices, failing_length, lambda moved: _delete_runs(moved, choices_fail, budget)[0], edges[1:]
+        )
 
     budget.max_replays = max_replays
     actions = [record.action for record in best.records]

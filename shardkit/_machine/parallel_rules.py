@@ -56,7 +56,9 @@ LANE_LENGTH = 8
 #: sessions' decodes for the last token, the decode that takes the last token and a cancel
 #: of its session; an opening and a release that frees the slot it needs, a decode and a
 #: release of another session that frees the tokens it needs, a session's release and its
-#: reopening at the next epoch (which takes the slot the release frees, or keeps its own).
+#: reopening at the next epoch (which takes the slot the release frees, or keeps its own), and
+#: a session's decode of the last token and its restart at the next epoch (an engine that
+#: lets calls in halfway through the bump serves the decode from a cache already wiped).
 EDGE_RACES = (
     ("slots", 1, "open", "open", False),
     ("tokens", 1, "decode", "decode", False),
@@ -64,6 +66,7 @@ EDGE_RACES = (
     ("slots", 0, "open", "release", False),
     ("tokens", 0, "decode", "release", False),
     ("slots", 0, "restart", "release", True),
+    ("tokens", 1, "decode", "restart", True),
 )
 #: The most sessions one fill opens: an engine with more slots than this (plus those already
 #: held) is not filled to its last one, and its slot edge is not reached.
