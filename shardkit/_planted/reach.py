@@ -185,6 +185,20 @@ class _Scratch(_Tracking):
         self.scratch.release("scratch")
         return replace(result, output=computed.output)
 
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
+        """The history the engine wrongly answers ``request`` of ``session`` for, whose own
+        history is ``tokens``; None: its own. A planted bug says it here and calls ``served``."""
+        return None
+
+    def served(self, request: StepRequest, result: StepResult) -> StepResult:
+        """``result``, answered for ``wrong_history`` where the bug gives one."""
+        history = self.histories.get(request.session_id)
+        if not result.status.ok or history is None:
+            return result
+        tokens = history.tokens()
+        wrong = self.wrong_history(request.session_id, tokens, request)
+        return result if wrong is None or wrong == tokens else self.answer_for(result, wrong)
+
     def prefill(self, request: PrefillRequest) -> StepResult:
         result = self.inner.prefill(request)
         self._accepted(request, result)

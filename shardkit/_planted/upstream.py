@@ -309,20 +309,17 @@ class SharedPrefixFreedWithItsFirstOwner(_Scratch):
             if other != session and other not in self.shares
         ]
         shared, owner = max(owners, default=(0, ""))
-        result = self._served(request, super().prefill(request))
+        result = self.served(request, super().prefill(request))
         if result.status.ok and request.step == 0 and shared:
             self.shares[session] = (owner, shared)
         return result
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        return self._served(request, super().decode(request))
+        return self.served(request, super().decode(request))
 
-    def _served(self, request: StepRequest, result: StepResult) -> StepResult:
-        lost = self.lost_prefix.get(request.session_id)
-        history = self.histories.get(request.session_id)
-        if not result.status.ok or lost is None or history is None:
-            return result
-        return self.answer_for(result, history.tokens()[lost:])
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
+        lost = self.lost_prefix.get(session)
+        return None if lost is None else tokens[lost:]
 
     def _owner_gone(self, owner: str) -> None:
         for sharer, (shared_with, tokens) in list(self.shares.items()):
@@ -375,17 +372,14 @@ class ReusedSlotKeepsTheOldConversation(_Scratch):
             self.stale.pop(session, None)
             if opening and self.idle_slots:
                 self.stale[session] = self.idle_slots.pop()
-        return self._served(request, result)
+        return self.served(request, result)
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        return self._served(request, super().decode(request))
+        return self.served(request, super().decode(request))
 
-    def _served(self, request: StepRequest, result: StepResult) -> StepResult:
-        stale = self.stale.get(request.session_id)
-        history = self.histories.get(request.session_id)
-        if not result.status.ok or stale is None or history is None:
-            return result
-        return self.answer_for(result, stale + history.tokens())
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
+        stale = self.stale.get(session)
+        return None if stale is None else stale + tokens
 
     def release(self, session_id: str) -> StructuredStatus:
         history = self.histories.get(session_id)
@@ -456,22 +450,16 @@ class UnifiedCacheKeyedOnPosition(_Scratch):
         self.cells: dict[int, int] = {}  # position -> the token written there last
 
     def prefill(self, request: PrefillRequest) -> StepResult:
-        return self._served(request, super().prefill(request))
+        return self.served(request, super().prefill(request))
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        return self._served(request, super().decode(request))
+        return self.served(request, super().decode(request))
 
-    def _served(self, request: StepRequest, result: StepResult) -> StepResult:
-        history = self.histories.get(request.session_id)
-        if not result.status.ok or history is None:
-            return result
-        tokens = history.tokens()
-        new = len(_tokens_of(request))
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
         # The step's own tokens are written first, then the earlier positions are read back.
-        for position in range(len(tokens) - new, len(tokens)):
+        for position in range(len(tokens) - len(_tokens_of(request)), len(tokens)):
             self.cells[position] = tokens[position]
-        read = tuple(self.cells.get(position, token) for position, token in enumerate(tokens))
-        return result if read == tokens else self.answer_for(result, read)
+        return tuple(self.cells.get(position, token) for position, token in enumerate(tokens))
 
 
 class _Restarts(_Scratch):
@@ -548,7 +536,7 @@ class CropToZeroKeepsTheCache(_Restarts):
     def prefill(self, request: PrefillRequest) -> StepResult:
         if request.step == 0:
             self.kept.pop(request.session_id, None)
-        return self._served(request, super().prefill(request))
+        return self.served(request, super().prefill(request))
 
     def restarted(self, request: PrefillRequest, result: StepResult, old: tuple[int, ...]) -> StepResult:
         prompt = _tokens_of(request)
@@ -557,14 +545,11 @@ class CropToZeroKeepsTheCache(_Restarts):
         return result
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        return self._served(request, super().decode(request))
+        return self.served(request, super().decode(request))
 
-    def _served(self, request: StepRequest, result: StepResult) -> StepResult:
-        kept = self.kept.get(request.session_id)
-        history = self.histories.get(request.session_id)
-        if not result.status.ok or kept is None or history is None:
-            return result
-        return self.answer_for(result, kept + history.tokens())
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
+        kept = self.kept.get(session)
+        return None if kept is None else kept + tokens
 
 
 class RestartReuseDropsAReusedToken(_Restarts):
@@ -587,7 +572,7 @@ class RestartReuseDropsAReusedToken(_Restarts):
     def prefill(self, request: PrefillRequest) -> StepResult:
         if request.step == 0:
             self.dropped.pop(request.session_id, None)
-        return self._served(request, super().prefill(request))
+        return self.served(request, super().prefill(request))
 
     def restarted(self, request: PrefillRequest, result: StepResult, old: tuple[int, ...]) -> StepResult:
         prompt = _tokens_of(request)
@@ -599,15 +584,11 @@ class RestartReuseDropsAReusedToken(_Restarts):
         return result
 
     def decode(self, request: DecodeRequest) -> StepResult:
-        return self._served(request, super().decode(request))
+        return self.served(request, super().decode(request))
 
-    def _served(self, request: StepRequest, result: StepResult) -> StepResult:
-        dropped = self.dropped.get(request.session_id)
-        history = self.histories.get(request.session_id)
-        if not result.status.ok or dropped is None or history is None:
-            return result
-        tokens = history.tokens()
-        return self.answer_for(result, tokens[:dropped] + tokens[dropped + 1 :])
+    def wrong_history(self, session: str, tokens: tuple[int, ...], request: StepRequest) -> tuple[int, ...] | None:
+        dropped = self.dropped.get(session)
+        return None if dropped is None else tokens[:dropped] + tokens[dropped + 1 :]
 
 
 class PrefixCacheRestoresTheLastEntry(_Scratch):
