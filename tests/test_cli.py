@@ -254,12 +254,13 @@ def test_contract_of_a_missing_module_is_a_one_line_usage_error(capsys: pytest.C
         (["fuzz", "--steps", "0"], "--steps must be a positive integer, got '0'"),
         (["fuzz", "--examples", "abc"], "--examples must be a positive integer, got 'abc'"),
         (["fuzz", "--seed", "-1"], "--seed must be an integer in [0, 2**64) or 'random', got '-1'"),
+        (["fuzz", "--shrink-examples", "-1"], "--shrink-examples must be an integer >= 0 (0: report the failure as first found), got '-1'"),
         (["fuzz", "--faults", "flood"], "'flood'"),
         (["fuzz", "--role", "edge"], "'edge'"),
         (["frobnicate"], "'frobnicate'"),
         ([], "command"),
     ],
-    ids=["--steps 0", "--examples abc", "--seed -1", "--faults flood", "--role edge", "unknown command", "no command"],
+    ids=["--steps 0", "--examples abc", "--seed -1", "--shrink-examples -1", "--faults flood", "--role edge", "unknown command", "no command"],
 )
 def test_a_bad_command_line_exits_2_with_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], expected: str

@@ -90,7 +90,8 @@ def replay_command(args: argparse.Namespace) -> int:
     if not result.reproduced:
         print(f"a different failure than the trace recorded ({result.trace.failure.property}):")
     # The whole sequence, as fuzz printed it: the last step alone does not say how it was reached.
-    for line in failure_lines(result.failure.property, result.records, result.failure.message):
+    failure = result.failure
+    for line in failure_lines(failure.property, result.records, failure.message, failure.rows, full_rows=args.full_rows):
         print(line)
     return EXIT_FAILURE
 

@@ -35,6 +35,7 @@ def fuzz_command(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
         worker_memory_mb=args.worker_memory,
         worker_command=args.worker_command,
+        shrink_examples=args.shrink_examples,
     )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     # Where the findings go is checked before the run: a failure found must never be lost.
@@ -72,7 +73,7 @@ def fuzz_command(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.clear()
-    print_summary(result, sys.stdout)
+    print_summary(result, sys.stdout, full_rows=args.full_rows)
     found = result.failure is not None
     # A found failure is exit 1 whatever else goes wrong; what could not be written says so.
     unwritten = result.write_error

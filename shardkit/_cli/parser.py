@@ -263,6 +263,7 @@ def build_parser() -> _Parser:
     declared_option(fuzz, "role")
     declared_option(fuzz, "examples")
     declared_option(fuzz, "steps")
+    declared_option(fuzz, "shrink_examples")
     fuzz.add_argument(
         "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
     )
@@ -274,6 +275,11 @@ def build_parser() -> _Parser:
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
     fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
+    fuzz.add_argument(
+        "--full-rows",
+        action="store_true",
+        help="print the rows a determinism failure compared whole (its message names the largest difference)",
+    )
     database_options(fuzz)
     _isolation_options(fuzz)
 
@@ -295,6 +301,11 @@ def build_parser() -> _Parser:
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
+    replay.add_argument(
+        "--full-rows",
+        action="store_true",
+        help="print the rows a determinism failure compared whole (its message names the largest difference)",
+    )
     replay.add_argument(
         "--engine",
         default=None,

@@ -324,7 +324,7 @@ class Driver(FaultSteps):
             ]
             if fail.detail:
                 lines.append(f"  {fail.detail}")
-            raise StepFailed(Violation(fail.property, "\n".join(lines)), record) from None
+            raise StepFailed(Violation(fail.property, "\n".join(lines), fail.rows), record) from None
         record = StepRecord(index, action, expected, observed, outcome)
         self.records.append(record)
         return record

@@ -32,11 +32,14 @@ __all__ = [
     "Violation",
     "raised",
     "show",
+    "show_whole",
     "status_text",
 ]
 
 CRASHED = "CRASH"
 KIT_BUG_ENDING = "this is a bug in shardkit; please report it with this trace"
+#: The most characters of compared rows a failure keeps (``Violation.rows``).
+ROWS_TEXT_LIMIT = 60_000
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Violation:
 
     property: str
     message: str
+    #: The rows a determinism failure compared, whole (its message names only the largest
+    #: difference): printed on request (``--full-rows``), kept in the trace and the report.
+    rows: str = ""
 
 
 class StepFailed(ShardkitError):
@@ -67,12 +73,14 @@ class StepFailed(ShardkitError):
 class Fail(Exception):
     """A check's finding while a step runs: ``Driver.execute`` turns it into ``StepFailed``."""
 
-    def __init__(self, property_name: str, expected: str, observed: str, detail: str = "") -> None:
+    def __init__(self, property_name: str, expected: str, observed: str, detail: str = "", rows: str = "") -> None:
         super().__init__(detail)
         self.property = property_name
         self.expected = expected
         self.observed = observed
         self.detail = detail
+        # Cut to what a trace may hold (its reader takes texts of up to 65,536 characters).
+        self.rows = rows if len(rows) <= ROWS_TEXT_LIMIT else f"{rows[:ROWS_TEXT_LIMIT]} … (cut at {ROWS_TEXT_LIMIT:,} characters)"
 
 
 def raised(error: BaseException) -> str:
@@ -91,9 +99,21 @@ def status_text(status: StructuredStatus, cache: CacheResult | None = None) -> s
 
 
 def show(payload: Payload) -> str:
+    """A token, or a row's first and last values and its width: a message names where rows
+    differ (``payload_difference``), and 64 values or more of each hide it."""
     if isinstance(payload, tuple):
         return f"token {payload[0]}"
-    return "row " + np.array2string(payload, precision=4, max_line_width=200)
+    shown = np.array2string(payload, precision=4, max_line_width=200, threshold=8, edgeitems=2)
+    return f"row {shown} ({payload.size} values)"
+
+
+def show_whole(payload: Payload) -> str:
+    """Every value of a row (``--full-rows``), each as the shortest text that reads back as
+    that value, or a token."""
+    if isinstance(payload, tuple):
+        return f"token {payload[0]}"
+    # Every digit that tells two float32 values apart: the difference may be in the last one.
+    return "row " + np.array2string(payload, max_line_width=200, threshold=payload.size + 1, floatmode="unique")
 
 
 class StepContext:

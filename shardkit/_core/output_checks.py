@@ -12,11 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
+from shardkit._core.checks import (
+    HistoryMemo,
+    Payload,
+    largest_difference,
+    output_problems,
+    payload_difference,
+    payloads_of,
+)
 from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
-from shardkit._core.outcomes import Fail, StepContext, raised, show, status_text
+from shardkit._core.outcomes import Fail, StepContext, raised, show, show_whole, status_text
 from shardkit._core.steps import Action, row_codes_of
 from shardkit._core.targets import ResolvedTarget, passes_through
 from shardkit._core.twins import (
@@ -26,6 +33,7 @@ from shardkit._core.twins import (
     OracleFailure,
     TwinSession,
     fresh_answers,
+    fresh_fed,
     listed,
     paths_text,
 )
@@ -35,6 +43,10 @@ from shardkit.errors import InvalidTarget
 __all__ = ["OutputChecks", "SessionLog", "flat_history"]
 
 T = TypeVar("T")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 #: Shown under the run's coverage, per example it happened in.
 LEAKY_RECOMPUTE = (
@@ -50,15 +62,25 @@ def flat_history(session: SessionState, caps: EngineCapabilities | None = None) 
     a bundle the codes of its rows, which the kit built from them; a token's ordinary and
     extreme rows share its id in the sideband, so the rows name the history. Without
     ``caps`` a bundle's rows count as its sideband's tokens."""
-    tokens: list[int] = []
+    return tuple(code for chunk in session.history for code in _codes(chunk, caps))
+
+
+def _codes(chunk: tuple[Any, ...], caps: EngineCapabilities | None) -> tuple[int, ...]:
+    """One step's input as row codes (``flat_history``)."""
+    if chunk and isinstance(chunk[0], bytes):
+        sideband = chunk[1]
+        assert isinstance(sideband, tuple)
+        return sideband if caps is None else row_codes_of(caps, chunk[0], sideband)
+    return tuple(chunk)
+
+
+def _steps_of(session: SessionState, caps: EngineCapabilities) -> list[tuple[int, int]]:
+    """Where each step's input starts and ends in ``flat_history(session, caps)``."""
+    pieces: list[tuple[int, int]] = []
     for chunk in session.history:
-        if chunk and isinstance(chunk[0], bytes):
-            sideband = chunk[1]
-            assert isinstance(sideband, tuple)
-            tokens.extend(sideband if caps is None else row_codes_of(caps, chunk[0], sideband))
-        else:
-            tokens.extend(chunk)
-    return tuple(tokens)
+        start = pieces[-1][1] if pieces else 0
+        pieces.append((start, start + len(_codes(chunk, caps))))
+    return pieces
 
 
 @dataclass
@@ -144,17 +166,18 @@ class OutputChecks(StepContext):
         if self.use_twins:
             followed = self._asking_twins(lambda: self._consult_twins(request.session_id, session, history))
         unreferenced: list[tuple[int, ...]] = []
-        for end, payload in zip(ends, payloads, strict=True):
+        for row, (end, payload) in enumerate(zip(ends, payloads, strict=True)):
             references = self.memo.get(history[:end])
             if not references:
                 unreferenced.append(history[:end])
                 continue
-            failure = self._judge(history[:end], payload, references, strict=strict)
+            failure = self._judge(history[:end], payload, references, strict=strict, row=row)
             if failure is not None:
                 # Never blame on one path's word, nor on a twin that had served other sessions.
-                failure = self._judge(history[:end], payload, self._answers_again(history[:end]), strict=strict)
+                again = self._answers_again(history[:end], history)
+                failure = self._judge(history[:end], payload, again, strict=strict, row=row)
             if failure is not None:
-                return [failure], unreferenced
+                return [self._explained(failure, request.session_id, session, history[:end], payload)], unreferenced
             where = f"session {request.session_id!r}, epoch {request.epoch}, step {request.step}"
             self.served.setdefault(history[:end], (where, payload))
         if followed is not None:
@@ -163,11 +186,19 @@ class OutputChecks(StepContext):
         return [], unreferenced
 
     def _judge(
-        self, history: tuple[int, ...], payload: Payload, references: Mapping[str, Payload], *, strict: bool
+        self,
+        history: tuple[int, ...],
+        payload: Payload,
+        references: Mapping[str, Payload],
+        *,
+        strict: bool,
+        row: int = 0,
     ) -> Fail | None:
-        """The engine's ``payload`` against every path's answer for ``history``. When the paths
-        agree, their answer is expected; when they do not, no single one is taken for the truth:
-        the engine disagrees with itself, and the message shows each path's answer."""
+        """The engine's ``payload`` (``row`` of the step's output) against every path's answer
+        for ``history``. When the paths agree, their answer is expected; when they do not, no
+        single one is taken for the truth: the engine disagrees with itself, and the message
+        shows each path's answer. A row's message names where it differs most; the rows whole
+        go to the failure's ``rows``."""
         tolerance = self.caps.tolerance
         answers = [(path, references[path]) for path in ORACLE_PATHS if path in references]
         groups: list[list[tuple[str, Payload]]] = []
@@ -191,9 +222,12 @@ class OutputChecks(StepContext):
                 return None
             difference = differences[0]
             ways = listed(ORACLE_PATHS[path] for path, _ in answers)
-            observed = show(payload) if isinstance(payload, tuple) else f"{show(payload)}: {difference}"
             expected_text = f"{show(expected)} {after}, as {twins} gave by {ways}"
-            return Fail("§3 determinism", expected_text, observed, self._carried_from(history, payload))
+            if isinstance(payload, tuple):
+                return Fail("§3 determinism", expected_text, show(payload), self._carried_from(history, payload))
+            observed = f"output row {row} {difference}"
+            whole = f"expected {show_whole(expected)}\nobserved {show_whole(payload)}"
+            return Fail("§3 determinism", expected_text, observed, self._carried_from(history, payload), whole)
         each = paths_text(references)
         if self.differential:
             what = f"its paths disagree {after}: {each}"
@@ -203,12 +237,50 @@ class OutputChecks(StepContext):
         if agreeing and payload_difference(agreeing[0][0][1], payload, tolerance) is not None:
             paths = listed(ORACLE_PATHS[path] for path, _ in agreeing[0])
             detail = f"{paths} agree on {show(agreeing[0][0][1])}"
+        whole = "\n".join(
+            [*(f"{ORACLE_PATHS[path]}: {show_whole(answer)}" for path, answer in answers), f"observed {show_whole(payload)}"]
+        )
         return Fail(
             "§3 determinism",
             f"one answer {after}, however it is chunked",
             f"the engine's own paths disagree: {each}; the engine under test gave {show(payload)} ({twins})",
             detail,
+            whole if not isinstance(payload, tuple) else "",
         )
+
+    def _explained(
+        self, failure: Fail, session_id: str, session: SessionState, history: tuple[int, ...], payload: Payload
+    ) -> Fail:
+        """``failure`` of a row that no other history was answered with, with what an engine
+        loaded for it alone answers when fed ``history`` in the same steps as the session: the
+        same row means the difference is the chunking's; another, that the engine's answer
+        depends on more than the session's own steps. A failure explained already, or of a
+        token (which one row's chunking rarely flips), is left as it is."""
+        if failure.detail or isinstance(payload, tuple):
+            return failure
+        whole = flat_history(session, self.caps)
+        # Whole steps: a row of a prefill is answered within that prefill.
+        pieces = [(start, end) for start, end in _steps_of(session, self.caps) if start < len(history)]
+        try:
+            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, pieces))
+        except Fail:
+            return failure  # the explanation's own twin failed: the verdict stands unexplained
+        as_fed = fed.get(history)
+        if as_fed is None:
+            return failure
+        fed_as = f"an engine loaded alone and fed as session {session_id!r} was ({_count(len(pieces), 'step')})"
+        if payload_difference(as_fed, payload, self.caps.tolerance) is None:
+            detail = (
+                f"{fed_as} gives the same row: the difference comes from how the history is split into steps "
+                "(chunking), not from another session; if it is within the engine's precision, declare a "
+                "tolerance above it (docs/contract.md#determinism)"
+            )
+        else:
+            detail = (
+                f"{fed_as} gives another row (the engine under test's differs from it {largest_difference(as_fed, payload)}): "
+                "its answer depends on more than this session's steps"
+            )
+        return Fail(failure.property, failure.expected, failure.observed, detail, failure.rows)
 
     def _carried_from(self, history: tuple[int, ...], payload: Payload) -> str:
         """Where the engine gave ``payload`` before, for another history: the most recent
@@ -246,20 +318,42 @@ class OutputChecks(StepContext):
             f"other sessions: its answers depend on them too; fresh instances judge the engine from here on"
         )
 
-    def _answers_again(self, history: tuple[int, ...]) -> Mapping[str, Payload]:
+    def _answers_again(self, history: tuple[int, ...], whole: tuple[int, ...] | None = None) -> Mapping[str, Payload]:
         """Every path's answer for ``history``, each from an engine loaded for it alone: what
-        a verdict rests on. Where the example's recompute twin answered otherwise, the
-        sessions it had served led it astray: a fresh one takes over, and the run says so."""
+        a verdict rests on. Where the twins' recompute had answered otherwise, either it was
+        a recompute of a longer history (``whole``, whose prefill ``history`` starts) that an
+        engine loaded alone repeats (chunking: the run says so), or the sessions the recompute
+        twin had served led it astray: a fresh one takes over, and the run says that."""
         answers = self._asking_twins(lambda: fresh_answers(self.reference, self.load_request, history))
         earlier = self.memo.get(history).get("recompute")
-        if earlier is not None and payload_difference(earlier, answers["recompute"], self.caps.tolerance) is not None:
-            self.one_shot = None
-            self._leaky_recompute(
-                f"the twin recomputing each history answered {list(history)} with {show(earlier)} "
-                f"where a fresh engine answers {show(answers['recompute'])}"
-            )
+        tolerance = self.caps.tolerance
+        if earlier is not None and payload_difference(earlier, answers["recompute"], tolerance) is not None:
+            fresh = answers["recompute"]
+            if whole is not None and len(whole) > len(history) and self._recomputes_so(whole, history, earlier):
+                where = largest_difference(fresh, earlier)
+                self.notes.append(
+                    f"step {self._step[0]}: the twins answered {list(history)} within the prefill of {list(whole)} "
+                    f"otherwise than alone ({where}), and so does an engine loaded alone: its answers depend on "
+                    "how a history is chunked, not on the sessions a twin served"
+                )
+            else:
+                self.one_shot = None
+                self._leaky_recompute(
+                    f"the twin recomputing each history answered {list(history)} with {show(earlier)} where an "
+                    f"engine loaded alone answers {show(fresh)}"
+                )
         self.memo.correct(history, answers)
         return answers
+
+    def _recomputes_so(self, whole: tuple[int, ...], history: tuple[int, ...], earlier: Payload) -> bool:
+        """Whether an engine loaded alone, recomputing ``whole`` in one prefill, answers
+        ``history`` with ``earlier``."""
+        try:
+            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, [(0, len(whole))]))
+        except Fail:
+            return False
+        again = fed.get(history)
+        return again is not None and payload_difference(earlier, again, self.caps.tolerance) is None
 
     def _one_shot(self) -> OneShotTwin:
         if self.one_shot is None:

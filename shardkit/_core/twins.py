@@ -63,6 +63,7 @@ __all__ = [
     "TwinSession",
     "chunk_pieces",
     "fresh_answers",
+    "fresh_fed",
     "listed",
     "paths_text",
     "split_ranges",
@@ -317,6 +318,22 @@ def fresh_answers(build: Callable[[], ShardEngine], request: LoadRequest, histor
     for path in ORACLE_PATHS:
         OneShotTwin(build, request).answer(path, history, memo)
     return dict(memo.get(history))
+
+
+def fresh_fed(
+    build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...], pieces: list[tuple[int, int]]
+) -> dict[tuple[int, ...], Payload]:
+    """What an engine loaded for it alone answers when ``history`` comes in ``pieces``
+    ((start, end), one step each, as a session of the engine under test was fed), by the
+    history each answer speaks for: whether a difference is the chunking's or another
+    session's doing."""
+    feed = OneShotTwin(build, request)._session()
+    answers: dict[tuple[int, ...], Payload] = {}
+    for start, end in pieces:
+        ends, payloads = feed.send(history, start, end)
+        answers.update((history[:position], payload) for position, payload in zip(ends, payloads, strict=True))
+    feed.release()
+    return answers
 
 
 def _remember(

@@ -104,7 +104,8 @@ def _run_parallel(driver: Driver, lanes: Sequence[Sequence[Action]]) -> list[Ste
             context = f"{_lanes_text(ran, actions)}\n  taken in the order {order}, which explains every status"
             # The step is named by its lane: the phase is one step of the failing sequence.
             judged = failed.violation.message.replace(f"step {failed.record.index}: ", f"{timed.name}: ", 1)
-            raise StepFailed(Violation(failed.violation.property, f"{context}\n{judged}"), failed.record) from None
+            violation = Violation(failed.violation.property, f"{context}\n{judged}", failed.violation.rows)
+            raise StepFailed(violation, failed.record) from None
     return records
 
 

@@ -48,6 +48,12 @@ class Budgets:
 DEFAULT_BUDGETS = Budgets()
 
 
+def _shrink_examples(count: Any) -> int | None:
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        raise OptionValueError("must be an integer >= 0 (0: report the failure as first found)")
+    return count
+
+
 def _worker_command(command: str | None) -> str | None:
     if command is not None:
         try:
@@ -100,6 +106,17 @@ class FuzzOptions(MachineOptions):
             metavar="CMD",
         ),
     )
+    shrink_examples: int | None = field(
+        default=None,
+        metadata=declare(
+            "--shrink-examples",
+            "at most N examples and replays spent shrinking a failure, all its stages together; 0 reports the "
+            "failure as first found (default: each stage its own budget, docs/reproducing.md#shrink-budget)",
+            check=_shrink_examples,
+            from_text=int_from_text,
+            metavar="N",
+        ),
+    )
     minimize: bool = True
     budgets: Budgets = DEFAULT_BUDGETS
     database: str | DatabaseChoice = "none"
@@ -140,6 +157,9 @@ class FuzzOptions(MachineOptions):
             parts += ["--examples", str(self.examples)]
         if self.steps != defaults.steps:
             parts += ["--steps", str(self.steps)]
+        if self.shrink_examples is not None:
+            # The shrunk failure depends on it: the line must reproduce that one.
+            parts += ["--shrink-examples", str(self.shrink_examples)]
         if self.faults != defaults.faults:
             parts += ["--faults", self.faults]
         if not self.twins:

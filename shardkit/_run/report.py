@@ -99,13 +99,19 @@ def session_lines(result: FuzzResult) -> list[str]:
     ]
 
 
-def failure_lines(property_label: str, records: Sequence[StepRecord], message: str) -> list[str]:
+def failure_lines(
+    property_label: str, records: Sequence[StepRecord], message: str, rows: str = "", *, full_rows: bool = False
+) -> list[str]:
     """The failing sequence as fuzz and replay print it: every step but the last with what
-    the engine answered, the last one's expected and observed, and where the property is
-    explained."""
+    the engine answered, the last one's expected and observed (and the rows it compared,
+    whole, with ``full_rows``), and where the property is explained."""
     lines = [f"FAILURE ({property_label}) in {_steps(len(records))}:"]
     lines += [f"  step {r.index}: {r.action.describe()}  → {r.observed}" for r in records[:-1]]
     lines += [f"  {line}" for line in message.splitlines()]
+    if rows and full_rows:
+        lines += ["  the rows compared, whole:", *(f"    {line}" for line in rows.splitlines())]
+    elif rows:
+        lines.append("  (the rows compared, whole: --full-rows on shardkit fuzz or replay)")
     where = read_more(property_label)
     if where is not None:
         lines.append(f"  (what {property_label} requires: {where} in shardkit's documentation)")
@@ -117,11 +123,12 @@ def _has_pytest() -> bool:
     return importlib.util.find_spec("pytest") is not None
 
 
-def render_failure(result: FuzzResult) -> str:
+def render_failure(result: FuzzResult, *, full_rows: bool = False) -> str:
     """The minimal steps, expected vs observed, and every way to rerun the failure."""
     failure = result.failure
     assert failure is not None
-    lines = failure_lines(failure.violation.property, failure.records, failure.violation.message)
+    violation = failure.violation
+    lines = failure_lines(violation.property, failure.records, violation.message, violation.rows, full_rows=full_rows)
     lines += [f"  note: {note}" for note in failure.notes]
     if result.interrupted:
         lines.append("(interrupted: the sequence above is the best found so far, not minimised)")
@@ -129,6 +136,9 @@ def render_failure(result: FuzzResult) -> str:
         before = len(result.hypothesis_failure.records)
         state = "1-minimal" if result.minimized.one_minimal else f"not proven 1-minimal ({result.minimized.unproven})"
         lines.append(f"(Hypothesis shrank it to {_steps(before)}, replay to {len(failure.records)}; {state})")
+    if result.shrink_budget_spent and not result.interrupted:
+        # The rerun line names the same budget, so it reports this very sequence again.
+        lines.append("(shrinking stopped when --shrink-examples ran out)")
     lines.append("reproduce:")
     # Quoted for the shell, so that they run as printed from a folder whose name has a space.
     blocker = _needs_python(result.trace_path) if result.trace_path is not None else None
@@ -201,7 +211,7 @@ def _needs_python(trace_path: Path) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def print_summary(result: FuzzResult, out: TextIO) -> None:
+def print_summary(result: FuzzResult, out: TextIO, *, full_rows: bool = False) -> None:
     print(counts_line(result), file=out)
     print("coverage (operation → outcome counts):", file=out)
     print(coverage_table(result), file=out)
@@ -213,7 +223,7 @@ def print_summary(result: FuzzResult, out: TextIO) -> None:
         print("no failure found", file=out)
         return
     print(file=out)
-    print(render_failure(result), file=out)
+    print(render_failure(result, full_rows=full_rows), file=out)
 
 
 def report_document(result: FuzzResult, options: FuzzOptions | None = None) -> dict[str, Any]:
@@ -228,6 +238,7 @@ def report_document(result: FuzzResult, options: FuzzOptions | None = None) -> d
             {
                 "message": message,
                 "property": result.failure.violation.property,
+                "rows": result.failure.violation.rows or None,
                 "steps": [
                     {
                         "op": r.action.op,
@@ -374,4 +385,5 @@ def _options_fields(options: FuzzOptions) -> dict[str, Any]:
         "worker_memory_mb": options.worker_memory_mb,
         "machine": machine,
         "minimize": options.minimize,
+        "shrink_examples": options.shrink_examples,
     }

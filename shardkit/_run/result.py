@@ -47,6 +47,10 @@ class FuzzResult:
     first_failure: tuple[int, float, int] | None = None
     #: Hypothesis's shrinking spent its budget of steps (the replay minimiser finished the job).
     shrink_cut: bool = False
+    #: Shrinking stopped when ``--shrink-examples`` (``FuzzOptions.shrink_examples``) ran out.
+    shrink_budget_spent: bool = False
+    #: Examples and replays every stage of shrinking ran (what ``--shrink-examples`` bounds).
+    shrink_work: int = 0
     #: Examples and steps Hypothesis ran while shrinking the failure.
     shrink_examples: int = 0
     shrink_steps: int = 0

@@ -98,9 +98,11 @@ def run_machine(
     minimize: bool = True,
     progress: Progress | None = None,
     budgets: Budgets = DEFAULT_BUDGETS,
+    shrink_examples: int | None = None,
 ) -> FuzzResult:
     """Run Hypothesis on ``machine`` from ``seed``; minimise a failure and write its
-    artefacts under ``out``.
+    artefacts under ``out``. ``shrink_examples`` bounds the examples and replays all the
+    stages of shrinking spend together (``_ShrinkPool``); None leaves each its own budget.
 
     Every limit is counted (``budgets``): the run is a series of bounded Hypothesis runs
     (flat memory), Hypothesis's shrinker gets ``budgets.shrink_steps`` steps after the
@@ -119,6 +121,7 @@ def run_machine(
     caveats_before_shrinking: Counter[str] = Counter()
     coverage_before_shrinking: Counter[tuple[str, str]] = Counter()
     sessions_before_shrinking: Counter[int] = Counter()
+    pool = _ShrinkPool(shrink_examples)
 
     def on_failure(failure: FailureReport) -> None:
         nonlocal before_shrinking
@@ -129,7 +132,8 @@ def run_machine(
             coverage_before_shrinking.update(stats.coverage)
             sessions_before_shrinking.update(stats.longest_session)
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
-            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
+            # Half the pool at most: replay minimises more per example than Hypothesis's shrinker.
+            stats.shrink_stop_at_example = stats.examples + pool.take(budgets.shrink_examples, share=2)
         artefacts.offer(failure)
 
     stats = RunObserver(on_failure=on_failure, on_example=progress)
@@ -166,11 +170,14 @@ def run_machine(
             raise engine_error from error
         else:
             captured.write("".join(getattr(error, "__notes__", [])))
+    if first_failure:
+        pool.spend(stats.examples - before_shrinking[0])
     minimized = None
-    if stats.failure is not None and minimize and not interrupted:
+    if stats.failure is not None and minimize and not interrupted and pool.left != 0:
         try:
-            minimized = minimize_failure(machine, stats.failure, max_replays=budgets.minimize_replays)
-            minimized = _deepen(machine, run_settings, seed, minimized, budgets)
+            minimized = minimize_failure(machine, stats.failure, max_replays=pool.take(budgets.minimize_replays))
+            pool.spend(minimized.replays)
+            minimized = _deepen(machine, run_settings, seed, minimized, budgets, pool)
         except BaseException as error:
             if not _interrupt_within(error):
                 raise
@@ -204,6 +211,8 @@ def run_machine(
         interrupted=interrupted,
         first_failure=first_failure[0] if first_failure else None,
         shrink_cut=shrink_cut,
+        shrink_budget_spent=pool.left == 0,
+        shrink_work=pool.used,
         shrink_examples=stats.examples - examples,
         shrink_steps=stats.steps - steps,
         requested_examples=run_settings.max_examples,
@@ -261,16 +270,18 @@ def _deepen(
     seed: int,
     minimized: MinimizedFailure,
     budgets: Budgets,
+    pool: _ShrinkPool,
 ) -> MinimizedFailure:
     """Iterative deepening: search again with fewer steps than the failure
     has, for the same property; a shorter one found is minimised and replaces it. This
     escapes minima that deleting steps cannot leave (a fault-based route to a bug that a
     plainer route reaches in fewer steps)."""
-    while len(minimized.report.records) > 1:
-        shorter = _search_shorter(machine, run_settings, seed, minimized.report, budgets)
-        if shorter is None:
+    while len(minimized.report.records) > 1 and pool.left != 0:
+        shorter = _search_shorter(machine, run_settings, seed, minimized.report, budgets, pool)
+        if shorter is None or pool.left == 0:
             break
-        again = minimize_failure(machine, shorter, max_replays=budgets.minimize_replays)
+        again = minimize_failure(machine, shorter, max_replays=pool.take(budgets.minimize_replays))
+        pool.spend(again.replays)
         if len(again.report.records) >= len(minimized.report.records):
             break
         minimized = again
@@ -283,20 +294,24 @@ def _search_shorter(
     seed: int,
     failure: FailureReport,
     budgets: Budgets,
+    pool: _ShrinkPool,
 ) -> FailureReport | None:
+    """A failure of the same property in fewer steps, found by a search of at most
+    ``budgets.deepening_examples`` examples (and its shrinking) taken from ``pool``."""
     limit = len(failure.records) - 1
+    searches = pool.take(budgets.deepening_examples)
 
     def start_shrink_budget(found: FailureReport) -> None:
         if stats.shrink_stop_at_step is None:
             stats.shrink_stop_at_step = stats.steps + budgets.shrink_steps
-            stats.shrink_stop_at_example = stats.examples + budgets.shrink_examples
+            stats.shrink_stop_at_example = stats.examples + pool.take(budgets.shrink_examples, spent=stats.examples)
 
     stats = RunObserver(only_property=failure.violation.property, on_failure=start_shrink_budget)
     probe = observed(machine, stats)
     probe_settings = settings(
         run_settings,
         stateful_step_count=limit,
-        max_examples=budgets.deepening_examples,
+        max_examples=searches,
         phases=[Phase.generate, Phase.shrink],
         database=None,
         derandomize=False,
@@ -308,8 +323,31 @@ def _search_shorter(
         # A failure of the property ended the search (Flaky: a race that showed on one run
         # and not on Hypothesis's replay of it); stats.shortest holds the shortest seen.
         pass
+    pool.spend(stats.examples)
     found = stats.shortest
     return found if found is not None and len(found.records) <= limit else None
+
+
+class _ShrinkPool:
+    """The examples and replays left to shrinking (``--shrink-examples``), which every stage
+    takes its budget from in turn: Hypothesis's shrinker, the replay minimiser, then each
+    search for a shorter failure and its minimisation. ``left`` None: no common bound, each
+    stage has its own ``Budgets``. A count, never a time: the same seed shrinks alike anywhere."""
+
+    def __init__(self, total: int | None) -> None:
+        self.left = total
+        #: What the stages spent, bounded or not.
+        self.used = 0
+
+    def take(self, budget: int, *, spent: int = 0, share: int = 1) -> int:
+        """What a stage of ``budget`` may run: ``1/share`` of what the pool holds beyond the
+        ``spent`` in use already."""
+        return budget if self.left is None else min(budget, max(self.left - spent, 0) // share)
+
+    def spend(self, count: int) -> None:
+        self.used += count
+        if self.left is not None:
+            self.left = max(self.left - count, 0)
 
 
 def fuzz(
@@ -348,6 +386,7 @@ def fuzz(
             minimize=options.minimize,
             progress=progress,
             budgets=options.budgets,
+            shrink_examples=options.shrink_examples,
         )
     finally:
         if started_workers:

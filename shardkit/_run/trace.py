@@ -108,7 +108,13 @@ def trace_document(
         "fault_steps": fault_steps,
         "seed": seed,
         "steps": steps,
-        "failure": {"property": violation.property, "message": violation.message, "step": len(records)},
+        "failure": {
+            "property": violation.property,
+            "message": violation.message,
+            "step": len(records),
+            # Optional (a reader that predates it ignores it): the compared rows whole.
+            **({"rows": violation.rows} if violation.rows else {}),
+        },
     }
 
 

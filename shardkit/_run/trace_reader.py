@@ -313,6 +313,7 @@ def read_trace(path: str | Path, custom_ops: Mapping[str, CustomOp] | None = Non
     violation = Violation(
         schema.text(schema.field(failure, "property", "failure"), "failure.property"),
         schema.text(schema.field(failure, "message", "failure"), "failure.message"),
+        schema.text(failure["rows"], "failure.rows") if failure.get("rows") is not None else "",
     )
     if failure.get("step") is not None:
         schema.integer(failure["step"], "failure.step", 0, MAX_STEPS)
