@@ -258,6 +258,7 @@ def build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
+    full_rows = "print the rows a determinism failure compared whole (its message names the largest difference)"
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
     fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
     declared_option(fuzz, "role")
@@ -275,11 +276,7 @@ def build_parser() -> _Parser:
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     fuzz.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
     fuzz.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the run report as one HTML page here (docs/report.md)")
-    fuzz.add_argument(
-        "--full-rows",
-        action="store_true",
-        help="print the rows a determinism failure compared whole (its message names the largest difference)",
-    )
+    fuzz.add_argument("--full-rows", action="store_true", help=full_rows)
     database_options(fuzz)
     _isolation_options(fuzz)
 
@@ -301,11 +298,7 @@ def build_parser() -> _Parser:
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
     replay.add_argument("trace", type=Path, help="a trace written by shardkit fuzz")
-    replay.add_argument(
-        "--full-rows",
-        action="store_true",
-        help="print the rows a determinism failure compared whole (its message names the largest difference)",
-    )
+    replay.add_argument("--full-rows", action="store_true", help=full_rows)
     replay.add_argument(
         "--engine",
         default=None,
