@@ -19,10 +19,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._dtypes import numpy_dtype
 from shardkit._public import settle
 
 __all__ = [
     "ACCEPTED_BOUNDARY_POINTS",
+    "DEFAULT_RELATIVE_TOLERANCES",
     "EPOCH_STEP_LIMIT",
     "FAULT_KINDS",
     "OUTPUT_BOUNDARY_POINT",
@@ -115,6 +117,14 @@ def _check_type(owner: str, name: str, value: object, cls: type) -> None:
     if not isinstance(value, cls):
         article = "an" if cls.__name__[0] in "AEIOU" else "a"
         raise _fail(owner, name, f"{article} {cls.__name__}", value)
+
+
+def _check_tolerance(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _fail(owner, name, "a float", value)
+    if not (math.isfinite(value) and value >= 0):
+        message = f"{owner}.{name} must be a finite float >= 0, got {value!r}"
+        raise ValueError(message)
 
 
 def _int_tuple(owner: str, name: str, value: object) -> tuple[int, ...]:
@@ -218,6 +228,23 @@ class LoadResult:
         _check_str("LoadResult", "architecture", self.architecture)
 
 
+#: The relative tolerance an engine that declares an absolute ``tolerance`` above 0 gets
+#: for its dtype unless it declares its own: float32, float16 and bfloat16 take
+#: ``torch.testing.assert_close``'s defaults (about eleven, one and two units in the last
+#: place), float64 about 450 units, a float8 format its epsilon. A dtype not listed gets 0.0:
+#: only the absolute tolerance. docs/numerics.md shows what the bundled engines measure.
+DEFAULT_RELATIVE_TOLERANCES: Mapping[str, float] = types.MappingProxyType(
+    {
+        "float64": 1e-7,
+        "float32": 1.3e-6,
+        "float16": 1e-3,
+        "bfloat16": 1.6e-2,
+        "float8_e4m3fn": 0.125,
+        "float8_e5m2": 0.25,
+    }
+)
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     architecture: str
@@ -235,6 +262,13 @@ class EngineCapabilities:
     #: The engine may be called from several threads at once (each call still whole: the
     #: answers must be those of some order of the calls). ``--concurrency`` needs it.
     concurrent_calls: bool = False
+    #: A residual value may differ from the reference's by ``tolerance +
+    #: relative_tolerance·|reference|``. None: ``DEFAULT_RELATIVE_TOLERANCES[dtype]`` when
+    #: ``tolerance`` is above 0, else 0.0 (``tolerance`` 0.0 is bit-exact, whatever the dtype).
+    relative_tolerance: float | None = None
+    #: A token may differ from the reference's where the engine's logit margin is below it:
+    #: a near tie on the logits' scale, which is not the residual's. None: ``tolerance``.
+    margin_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         owner = "EngineCapabilities"
@@ -263,17 +297,36 @@ class EngineCapabilities:
             message = f"{owner}.supported_faults has unknown kinds {unknown}; known: {list(FAULT_KINDS)}"
             raise ValueError(message)
         _set(self, "supported_faults", faults)
-        if not isinstance(self.tolerance, (int, float)) or isinstance(self.tolerance, bool):
-            raise _fail(owner, "tolerance", "a float", self.tolerance)
-        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
-            message = f"{owner}.tolerance must be a finite float >= 0, got {self.tolerance!r}"
-            raise ValueError(message)
+        _check_tolerance(owner, "tolerance", self.tolerance)
         _check_type(owner, "concurrent_calls", self.concurrent_calls, bool)
         _set(self, "tolerance", float(self.tolerance))
+        # Unset stays None (resolved where outputs are compared), so that a replace() of
+        # ``tolerance`` moves the defaults that follow it.
+        for name in ("relative_tolerance", "margin_tolerance"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_tolerance(owner, name, value)
+                _set(self, name, float(value))
+        if self.tolerance == 0 and self.relative_tolerance:
+            message = (
+                f"{owner}.relative_tolerance is {self.relative_tolerance!r} with tolerance 0.0, which means "
+                "bit-exact; declare an absolute tolerance above 0 with it, or leave relative_tolerance out"
+            )
+            raise ValueError(message)
 
     @property
     def role(self) -> Role:
         return role_of(self.shard_start, self.shard_end, self.total_layers)
+
+    def tolerances(self) -> tuple[float, float, float]:
+        """(absolute, relative, margin) tolerances with the defaults filled in: an unset
+        relative tolerance is ``DEFAULT_RELATIVE_TOLERANCES[dtype]`` (0.0 when ``tolerance``
+        is 0.0: bit-exact), an unset margin tolerance is ``tolerance``."""
+        relative = self.relative_tolerance
+        if relative is None:
+            relative = DEFAULT_RELATIVE_TOLERANCES.get(self.dtype, 0.0) if self.tolerance > 0 else 0.0
+        margin = self.tolerance if self.margin_tolerance is None else self.margin_tolerance
+        return self.tolerance, relative, margin
 
 
 # --- tensors and step inputs/outputs ---------------------------------------------------
@@ -314,7 +367,7 @@ class EngineTensor:
     def to_array(self) -> npt.NDArray[Any]:
         """A fresh native array; raises ValueError if dtype or data length do not fit."""
         try:
-            dtype = np.dtype(self.dtype).newbyteorder("<")
+            dtype = numpy_dtype(self.dtype).newbyteorder("<")
         except TypeError as error:
             message = f"EngineTensor {self.name!r} has dtype {self.dtype!r}, which numpy does not know"
             raise ValueError(message) from error

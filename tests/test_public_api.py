@@ -270,7 +270,7 @@ def test_a_session_engine_without_evidence_class_or_tolerance_says_to_set_them()
         ("total_layers", 0, "EngineSpec.total_layers must be an int >= 1, got 0"),
         ("vocab_size", True, "EngineSpec.vocab_size must be an int >= 1, got True"),
         ("max_kv_tokens", -1, "EngineSpec.max_kv_tokens must be an int >= 0, got -1"),
-        ("dtype", "float-ish", "EngineSpec.dtype must be a numpy dtype name such as 'float32', got 'float-ish'"),
+        ("dtype", "float-ish", "EngineSpec.dtype must be a dtype name such as 'float32', 'bfloat16' or 'float16', got 'float-ish'"),
         ("architecture", "", "EngineSpec.architecture must be a non-empty str, got ''"),
     ],
 )

@@ -12,6 +12,7 @@ import pytest
 
 from shardkit import FakeShardEngine, FakeShardEngineConfig, StatusCode, StructuredStatus
 from shardkit._cli.main import main
+from shardkit._core.checks import Tolerance
 from shardkit._core.sensitivity import HISTORIES, POSITIONS, HistorySensitivity, _differs, history_sensitivity
 from shardkit.engines.numpy_llama import NumpyShardEngine
 from shardkit.engines.pipeline import PipelineEngine
@@ -74,14 +75,14 @@ def test_too_small_a_cache_is_said_and_not_measured() -> None:
 
 
 def test_a_token_answer_changes_with_its_margin_and_a_row_beyond_the_tolerance() -> None:
-    assert _differs((3, 1.0), (3, 1.5), tolerance=0.1)
-    assert not _differs((3, 1.0), (3, 1.05), tolerance=0.1)
-    assert not _differs((3, None), (3, 2.0), tolerance=0.0)
-    assert _differs((3, None), (4, None), tolerance=0.0)
+    assert _differs((3, 1.0), (3, 1.5), tolerance=Tolerance(0.1, margin=0.1))
+    assert not _differs((3, 1.0), (3, 1.05), tolerance=Tolerance(0.1, margin=0.1))
+    assert not _differs((3, None), (3, 2.0), tolerance=Tolerance(0.0))
+    assert _differs((3, None), (4, None), tolerance=Tolerance(0.0))
     row = np.zeros(4, dtype=np.float32)
-    assert not _differs(row, row + 1e-4, tolerance=1e-3)
-    assert _differs(row, row + 1e-2, tolerance=1e-3)
-    assert _differs(row, row + np.float32(1e-7), tolerance=0.0)
+    assert not _differs(row, row + 1e-4, tolerance=Tolerance(1e-3))
+    assert _differs(row, row + 1e-2, tolerance=Tolerance(1e-3))
+    assert _differs(row, row + np.float32(1e-7), tolerance=Tolerance(0.0))
 
 
 def test_a_blind_measure_needs_a_trial() -> None:

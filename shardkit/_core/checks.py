@@ -19,6 +19,7 @@ import numpy as np
 
 from shardkit._core.model import StepRequest, input_length
 from shardkit._core.steps import row_codes_of, row_kinds_text
+from shardkit._dtypes import numpy_dtype
 from shardkit.contract import (
     OUTPUT_BOUNDARY_POINT,
     RESIDUAL_TENSOR,
@@ -33,6 +34,7 @@ __all__ = [
     "HistoryMemo",
     "MemoStore",
     "Payload",
+    "Tolerance",
     "largest_difference",
     "max_abs_difference",
     "metrics_text",
@@ -129,7 +131,7 @@ def _after_input(caps: EngineCapabilities, request: StepRequest, problem: str = 
 @functools.lru_cache(maxsize=64)
 def _wire_dtype(name: str) -> np.dtype[Any]:
     """The dtype named ``name`` as ``EngineTensor`` data holds it (little-endian)."""
-    return np.dtype(name).newbyteorder("<")
+    return numpy_dtype(name).newbyteorder("<")
 
 
 def _rows(data: bytes, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
@@ -165,47 +167,113 @@ def payloads_of(output: BoundaryBundle | TokenOutput, positions: int) -> list[Pa
     return [rows[index] for index in range(min(positions, rows.shape[0]))]
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """How far an output may stray from the reference's (contract §3): a residual value by
+    ``absolute + relative·|reference|`` (both 0: bit for bit), a token only where a logit
+    margin is below ``margin`` (a near tie)."""
+
+    absolute: float
+    relative: float = 0.0
+    margin: float = 0.0
+
+    @classmethod
+    def of(cls, caps: EngineCapabilities) -> Tolerance:
+        """The tolerance ``caps`` declares, its defaults filled in: an unset relative
+        tolerance is the dtype's default (none when ``tolerance`` is 0: bit-exact), an
+        unset margin tolerance the absolute one."""
+        return cls(*caps.tolerances())
+
+    @property
+    def exact(self) -> bool:
+        return self.absolute == 0.0 and self.relative == 0.0
+
+    def allowed(self, expected: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """How far each value may differ from ``expected``'s, in float64."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            allowed: np.ndarray[Any, Any] = self.absolute + self.relative * np.abs(expected.astype(np.float64))
+        return allowed
+
+    def text(self) -> str:
+        """``0 (bit-exact)``, ``0.0001`` or ``0.01 + 0.016·|reference|``."""
+        if self.exact:
+            return "0 (bit-exact)"
+        if not self.relative:
+            return f"{self.absolute:.3g}"
+        return f"{self.absolute:.3g} + {self.relative:.3g}·|reference|"
+
+
 def payload_difference(
-    expected: Payload, observed: Payload, tolerance: float, *, near_ties_may_flip: bool = True
+    expected: Payload, observed: Payload, tolerance: Tolerance, *, near_ties_may_flip: bool = True
 ) -> str | None:
     """None when the two agree within ``tolerance``; otherwise how they differ.
 
-    A token may differ where a margin is below ``tolerance`` (contract §3), unless
+    A token may differ where a margin is below ``tolerance.margin`` (contract §3), unless
     ``near_ties_may_flip`` is False: to tell an injected wrong token from a near-tie."""
     if isinstance(expected, tuple) and isinstance(observed, tuple):
         if expected[0] == observed[0]:
             return None
         margins = [margin for margin in (expected[1], observed[1]) if margin is not None]
-        if near_ties_may_flip and margins and min(margins) < tolerance:
+        if near_ties_may_flip and margins and min(margins) < tolerance.margin:
             return None
         return f"token {observed[0]}, expected {expected[0]}"
     if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
         if expected.shape != observed.shape:
             return f"row of shape {observed.shape}, expected {expected.shape}"
-        if tolerance == 0.0:
+        if tolerance.exact:
             if expected.tobytes() == observed.tobytes():
                 return None
             return f"differs bit-wise: {largest_difference(expected, observed)}; tolerance 0 (bit-exact)"
-        if max_abs_difference(expected, observed) <= tolerance:
+        excess = _excess(expected, observed, tolerance)
+        if not excess.size or float(np.max(excess)) <= 0.0:  # a NaN anywhere is no agreement: max is NaN
             return None
-        return f"differs by more than the tolerance {tolerance:.3g}: {largest_difference(expected, observed)}"
+        where = largest_difference(expected, observed, tolerance, excess=excess)
+        return f"differs by more than the tolerance {tolerance.text()}: {where}"
     return f"{type(observed).__name__} where {type(expected).__name__} was expected"
 
 
-def largest_difference(expected: Payload, observed: Payload) -> str:
+def _excess(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any], tolerance: Tolerance) -> np.ndarray[Any, Any]:
+    """By how much each value's difference exceeds what ``tolerance`` allows there (NaN
+    where one side is NaN, +inf where an infinity differs)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        excess: np.ndarray[Any, Any] = (
+            np.abs(expected.astype(np.float64) - observed.astype(np.float64)) - tolerance.allowed(expected)
+        )
+    return excess
+
+
+def largest_difference(
+    expected: Payload,
+    observed: Payload,
+    tolerance: Tolerance | None = None,
+    *,
+    excess: np.ndarray[Any, Any] | None = None,
+) -> str:
     """``by 2.3e-06 at column 9 (0.006315 where 0.006313 was expected)``: where a row
     differs most (a NaN or an infinity on one side only counts as the largest), or for
-    tokens ``token 5, expected 7``."""
+    tokens ``token 5, expected 7``. With a ``tolerance`` that has a relative part, the
+    place is where the difference exceeds what is allowed there most, and that allowance
+    is named."""
     if not isinstance(expected, np.ndarray) or not isinstance(observed, np.ndarray):
         shown = [f"token {payload[0]}" if isinstance(payload, tuple) else "a row" for payload in (observed, expected)]
         return f"{shown[0]} where {shown[1]} was expected"
+    relative = tolerance is not None and tolerance.relative > 0
     with np.errstate(invalid="ignore", over="ignore"):
         wide = np.abs(expected.astype(np.float64) - observed.astype(np.float64))
-    wide[np.isnan(wide) & (np.isnan(expected) != np.isnan(observed))] = np.inf
-    wide[np.isnan(wide)] = 0.0
-    place = np.unravel_index(int(np.argmax(wide)), wide.shape)
+    one_sided_nan = np.isnan(wide) & (np.isnan(expected) != np.isnan(observed))
+    if relative and tolerance is not None:
+        ranking = (excess if excess is not None else _excess(expected, observed, tolerance)).copy()
+    else:
+        ranking = wide.copy()
+    ranking[one_sided_nan] = np.inf
+    ranking[np.isnan(ranking)] = -np.inf
+    place = np.unravel_index(int(np.argmax(ranking)), ranking.shape)
     where = ", ".join(str(int(index)) for index in place)
-    return f"by {wide[place]:.3g} at column {where} ({observed[place]:.7g} where {expected[place]:.7g} was expected)"
+    difference = np.inf if one_sided_nan[place] else wide[place]
+    text = f"by {difference:.3g} at column {where} ({observed[place]:.7g} where {expected[place]:.7g} was expected"
+    if relative and tolerance is not None:
+        text += f"; {tolerance.allowed(expected[place]).item():.3g} allowed there"
+    return text + ")"
 
 
 def max_abs_difference(expected: np.ndarray[Any, Any], observed: np.ndarray[Any, Any]) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from shardkit._core.checks import metrics_text, output_problems, payload_difference, payloads_of
+from shardkit._core.checks import Tolerance, metrics_text, output_problems, payload_difference, payloads_of
 from shardkit._core.model import Prediction, ReferenceModel, StepRequest
 from shardkit._core.properties import read_more
 from shardkit._core.steps import synthetic_bundle
@@ -235,12 +235,12 @@ def _same_inputs_same_outputs(make_engine: EngineFactory) -> None:
     }
     for first, second in zip(*outputs.values(), strict=True):
         # The machine's determinism check, tolerance and near ties included: no stricter here.
-        difference = _payloads_difference(first.output, second.output, probe.caps.tolerance)
+        difference = _payloads_difference(first.output, second.output, Tolerance.of(probe.caps))
         if difference is not None:
             raise _CheckFailed("the same inputs in a second session", "the first session's outputs", difference)
 
 
-def _payloads_difference(first: object, second: object, tolerance: float) -> str | None:
+def _payloads_difference(first: object, second: object, tolerance: Tolerance) -> str | None:
     if not isinstance(first, BoundaryBundle | TokenOutput) or not isinstance(second, BoundaryBundle | TokenOutput):
         return None if first == second else f"{second!r}, not {first!r}"
     everything = 1 << 62  # every row of a bundle

@@ -35,7 +35,8 @@ __all__ = ["BOUNDARY_FAULTS", "FaultInjectingEngine", "corrupt_output"]
 BOUNDARY_FAULTS = frozenset({"delay", "malformed_output", "crash"})
 
 
-#: How far ``corrupt_output`` moves a residual value, at least (plus 4× the tolerance).
+#: How far ``corrupt_output`` moves a residual value, at least (plus 4× the tolerance, absolute
+#: and relative).
 _SHIFT = 1.0
 
 
@@ -49,7 +50,7 @@ def corrupt_output(output: BoundaryBundle | TokenOutput, caps: EngineCapabilitie
     if isinstance(output, TokenOutput):
         return TokenOutput((output.token_id + 1) % max(caps.vocab_size, 1), margin=None)
     rows = output.tensors[0].to_array()
-    shifted = shifted_clearly(rows, _SHIFT + 4.0 * caps.tolerance)
+    shifted = shifted_clearly(rows, _SHIFT + 4.0 * caps.tolerance, 4.0 * caps.tolerances()[1])
     return replace(output, tensors=(EngineTensor.from_array(RESIDUAL_TENSOR, shifted),))
 
 

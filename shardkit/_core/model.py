@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from shardkit._dtypes import numpy_dtype
 from shardkit._public import settle
 from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
@@ -152,7 +153,7 @@ def _bundle_reason(caps: EngineCapabilities, request: StepRequest, bundle: Bound
         return f"residual width {width} is not the hidden size {caps.hidden_size}"
     if tensor.dtype != caps.dtype:
         return f"residual dtype {tensor.dtype!r} is not the engine's {caps.dtype!r}"
-    expected_bytes = rows * width * np.dtype(caps.dtype).itemsize
+    expected_bytes = rows * width * numpy_dtype(caps.dtype).itemsize
     if len(tensor.data) != expected_bytes:
         return f"residual holds {len(tensor.data)} bytes, shape {tensor.shape} needs {expected_bytes}"
     if rows == 0:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from shardkit._core.checks import (
     HistoryMemo,
     Payload,
+    Tolerance,
     largest_difference,
     output_problems,
     payload_difference,
@@ -199,7 +200,7 @@ class OutputChecks(StepContext):
         single one is taken for the truth: the engine disagrees with itself, and the message
         shows each path's answer. A row's message names where it differs most; the rows whole
         go to the failure's ``rows``."""
-        tolerance = self.caps.tolerance
+        tolerance = Tolerance.of(self.caps)
         answers = [(path, references[path]) for path in ORACLE_PATHS if path in references]
         groups: list[list[tuple[str, Payload]]] = []
         for path, answer in answers:
@@ -262,14 +263,14 @@ class OutputChecks(StepContext):
         # Whole steps: a row of a prefill is answered within that prefill.
         pieces = [(start, end) for start, end in _steps_of(session, self.caps) if start < len(history)]
         try:
-            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, pieces))
+            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, pieces, self.caps.dtype))
         except Fail:
             return failure  # the explanation's own twin failed: the verdict stands unexplained
         as_fed = fed.get(history)
         if as_fed is None:
             return failure
         fed_as = f"an engine loaded alone and fed as session {session_id!r} was ({_count(len(pieces), 'step')})"
-        if payload_difference(as_fed, payload, self.caps.tolerance) is None:
+        if payload_difference(as_fed, payload, Tolerance.of(self.caps)) is None:
             detail = (
                 f"{fed_as} gives the same row: the difference comes from how the history is split into steps "
                 "(chunking), not from another session; if it is within the engine's precision, declare a "
@@ -285,7 +286,7 @@ class OutputChecks(StepContext):
     def _carried_from(self, history: tuple[int, ...], payload: Payload) -> str:
         """Where the engine gave ``payload`` before, for another history: the most recent
         such answer, or "" (a token may match by chance; a row of floats does not)."""
-        tolerance = self.caps.tolerance
+        tolerance = Tolerance.of(self.caps)
         for other, (where, answer) in reversed(self.served.items()):
             if other != history and payload_difference(answer, payload, tolerance) is None:
                 vocabulary = self.caps.vocab_size
@@ -324,9 +325,9 @@ class OutputChecks(StepContext):
         a recompute of a longer history (``whole``, whose prefill ``history`` starts) that an
         engine loaded alone repeats (chunking: the run says so), or the sessions the recompute
         twin had served led it astray: a fresh one takes over, and the run says that."""
-        answers = self._asking_twins(lambda: fresh_answers(self.reference, self.load_request, history))
+        answers = self._asking_twins(lambda: fresh_answers(self.reference, self.load_request, history, self.caps.dtype))
         earlier = self.memo.get(history).get("recompute")
-        tolerance = self.caps.tolerance
+        tolerance = Tolerance.of(self.caps)
         if earlier is not None and payload_difference(earlier, answers["recompute"], tolerance) is not None:
             fresh = answers["recompute"]
             if whole is not None and len(whole) > len(history) and self._recomputes_so(whole, history, earlier):
@@ -349,15 +350,15 @@ class OutputChecks(StepContext):
         """Whether an engine loaded alone, recomputing ``whole`` in one prefill, answers
         ``history`` with ``earlier``."""
         try:
-            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, [(0, len(whole))]))
+            fed = self._asking_twins(lambda: fresh_fed(self.reference, self.load_request, whole, [(0, len(whole))], self.caps.dtype))
         except Fail:
             return False
         again = fed.get(history)
-        return again is not None and payload_difference(earlier, again, self.caps.tolerance) is None
+        return again is not None and payload_difference(earlier, again, Tolerance.of(self.caps)) is None
 
     def _one_shot(self) -> OneShotTwin:
         if self.one_shot is None:
-            self.one_shot = OneShotTwin(self.reference, self.load_request)
+            self.one_shot = OneShotTwin(self.reference, self.load_request, self.caps.dtype)
         return self.one_shot
 
     def _consult_twins(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> TwinSession | None:
@@ -374,7 +375,9 @@ class OutputChecks(StepContext):
             return None
         twin = self.twins.get(session_id)
         if twin is None or not twin.continues(history, session.epoch):
-            twin = TwinSession.start(self.reference, self.load_request, session.epoch, split=self.split_twins)
+            twin = TwinSession.start(
+                self.reference, self.load_request, session.epoch, split=self.split_twins, rows_dtype=self.caps.dtype
+            )
             self.twins[session_id] = twin
             if twin.pipeline_refused is not None:
                 self.split_twins = False

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardkit._core.checks import payload_difference, payloads_of
+from shardkit._core.checks import Tolerance, payload_difference, payloads_of
 from shardkit._core.conformance import _CheckFailed, _Probe
 from shardkit._core.targets import EngineFactory
 from shardkit.contract import BoundaryBundle, EngineError, PrefillRequest, Role, TokenOutput
@@ -138,7 +138,7 @@ def _measure(probe: _Probe, role: Role) -> HistorySensitivity:
             changed_history[position] = (history[position] + int(random.integers(1, caps.vocab_size))) % caps.vocab_size
             sessions += 1
             trials += 1
-            changed += _differs(answer, _answer(probe, f"sensitivity-{sessions}", changed_history), caps.tolerance)
+            changed += _differs(answer, _answer(probe, f"sensitivity-{sessions}", changed_history), Tolerance.of(caps))
     return HistorySensitivity(role, length, trials, changed, compared)
 
 
@@ -156,7 +156,7 @@ def _answer(probe: _Probe, session_id: str, history: list[int]) -> _Answer:
     return payloads_of(output, len(history))[-1]
 
 
-def _differs(first: _Answer, second: _Answer, tolerance: float) -> bool:
+def _differs(first: _Answer, second: _Answer, tolerance: Tolerance) -> bool:
     """Whether the answer moved beyond ``tolerance``: any other token (a near tie too: the
     answer did change), or a row, as the oracle compares them; or the same token with a
     reported margin that moved."""
@@ -164,5 +164,5 @@ def _differs(first: _Answer, second: _Answer, tolerance: float) -> bool:
         return True
     if isinstance(first, tuple) and isinstance(second, tuple):
         before, after = first[1], second[1]
-        return before is not None and after is not None and abs(before - after) > tolerance
+        return before is not None and after is not None and abs(before - after) > tolerance.margin
     return False

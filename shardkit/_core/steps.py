@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shardkit._core.model import SessionState, StepRequest
+from shardkit._dtypes import float_info, numpy_dtype
 from shardkit._public import settle
 from shardkit.contract import (
     EPOCH_STEP_LIMIT,
@@ -231,16 +232,8 @@ def row_kinds_text(codes: Sequence[int], dtype: str = "float32") -> str:
     return f"{where} {what}"
 
 
-def _finfo(dtype: str) -> np.finfo[Any] | None:
-    try:
-        numpy_dtype = np.dtype(dtype)
-    except TypeError:
-        return None
-    return np.finfo(numpy_dtype) if np.issubdtype(numpy_dtype, np.floating) else None
-
-
 def _huge_text(dtype: str) -> str:
-    info = _finfo(dtype)
+    info = float_info(dtype)
     if info is None:
         return "values near the dtype's largest"
     low, high = (float(info.max) * fraction for fraction in HUGE_FRACTIONS)
@@ -248,7 +241,7 @@ def _huge_text(dtype: str) -> str:
 
 
 def _subnormal_text(dtype: str) -> str:
-    info = _finfo(dtype)
+    info = float_info(dtype)
     if info is None:
         return "subnormal values"
     return f"subnormal values (±{_number(float(info.smallest_subnormal))} up to below ±{_number(float(info.tiny))})"
@@ -281,20 +274,20 @@ def _synthetic_rows(hidden_size: int, dtype: str, tokens: tuple[int, ...]) -> np
     if not tokens or min(tokens) >= 0:
         # All rows in one call (a long chunk cost one numpy call per token); the same values.
         scales = 0.618 + 0.137 * np.asarray(tokens, dtype=np.float64)
-        return np.sin(np.multiply.outer(scales, columns)).astype(dtype).reshape(len(tokens), hidden_size)
+        return np.sin(np.multiply.outer(scales, columns)).astype(numpy_dtype(dtype)).reshape(len(tokens), hidden_size)
     split = [split_row_code(code) for code in tokens]
     scales = 0.618 + 0.137 * np.asarray([token for token, _ in split], dtype=np.float64)
     base = np.sin(np.multiply.outer(scales, columns)).reshape(len(tokens), hidden_size)
     rows = base.copy()
-    info = _finfo(dtype)
+    info = float_info(dtype)
     if info is not None:  # a dtype with no finite range to reach the edges of keeps its ordinary rows
         for index, (_, kind) in enumerate(split):
             if kind:
                 rows[index] = _extreme_row(kind, base[index], info)
-    return rows.astype(dtype)
+    return rows.astype(numpy_dtype(dtype))
 
 
-def _extreme_row(kind: int, base: np.ndarray[Any, Any], info: np.finfo[Any]) -> np.ndarray[Any, Any]:
+def _extreme_row(kind: int, base: np.ndarray[Any, Any], info: Any) -> np.ndarray[Any, Any]:
     """The row of ``kind`` made from an ordinary row ``base`` (float64, values in [-1, 1]):
     its signs, and magnitudes that vary with it, so that rows of different tokens differ."""
     sign = np.where(base < 0, -1.0, 1.0)
@@ -332,12 +325,22 @@ def _rows_data(hidden_size: int, dtype: str, tokens: Sequence[int]) -> bytes:
 
 
 def synthetic_bundle(
-    caps: EngineCapabilities, session: str, epoch: int, step: int, tokens: tuple[int, ...]
+    caps: EngineCapabilities,
+    session: str,
+    epoch: int,
+    step: int,
+    tokens: tuple[int, ...],
+    rows_dtype: str | None = None,
 ) -> BoundaryBundle:
     """The post-head bundle the kit sends a middle or tail for ``tokens`` (row codes; rows from
-    ``synthetic_rows``). Its sideband holds the token ids."""
+    ``synthetic_rows``). Its sideband holds the token ids. ``rows_dtype``: make the rows in
+    that dtype (the engine under test's, for a reference engine in another), then cast them
+    to the engine's own, so that both compute from the same values."""
     rows = _rows_data(caps.hidden_size, caps.dtype, tokens)
-    tensor = EngineTensor(RESIDUAL_TENSOR, np.dtype(caps.dtype).name, (len(tokens), caps.hidden_size), rows)
+    if rows_dtype is not None and rows_dtype != caps.dtype:
+        made = np.frombuffer(_rows_data(caps.hidden_size, rows_dtype, tokens), numpy_dtype(rows_dtype).newbyteorder("<"))
+        rows = made.astype(numpy_dtype(caps.dtype).newbyteorder("<")).tobytes()
+    tensor = EngineTensor(RESIDUAL_TENSOR, numpy_dtype(caps.dtype).name, (len(tokens), caps.hidden_size), rows)
     sideband = tokens if not tokens or min(tokens) >= 0 else tuple(split_row_code(code)[0] for code in tokens)
     return BoundaryBundle(
         session_id=session,
@@ -375,8 +378,9 @@ def _row_codes(hidden_size: int, dtype: str, data: bytes, sideband: tuple[int, .
     return tuple(codes)
 
 
-def build_request(action: Action, caps: EngineCapabilities) -> StepRequest:
-    """The request a prefill/decode ``action`` stands for on an engine with ``caps``."""
+def build_request(action: Action, caps: EngineCapabilities, rows_dtype: str | None = None) -> StepRequest:
+    """The request a prefill/decode ``action`` stands for on an engine with ``caps`` (a
+    middle's or tail's rows made in ``rows_dtype``: see ``synthetic_bundle``)."""
     args = action.args
     session, epoch, step = str(args["session"]), int(args["epoch"]), int(args["step"])
     tokens = tuple(int(token) for token in args["tokens"])
@@ -387,7 +391,8 @@ def build_request(action: Action, caps: EngineCapabilities) -> StepRequest:
     if caps.role in ("head", "full"):
         request: StepRequest = request_type(session, epoch, step, token_ids=tokens)
     else:
-        request = request_type(session, epoch, step, bundle=synthetic_bundle(caps, session, epoch, step, tokens))
+        bundle = synthetic_bundle(caps, session, epoch, step, tokens, rows_dtype)
+        request = request_type(session, epoch, step, bundle=bundle)
     if malformed is None:
         return request
     if malformed not in _MALFORMATIONS:
@@ -423,7 +428,7 @@ def _rows(request: StepRequest) -> np.ndarray[Any, Any]:
 def _empty_input(request: StepRequest, caps: EngineCapabilities) -> StepRequest:
     if request.token_ids is not None:
         return replace(request, token_ids=())
-    empty = EngineTensor.from_array(RESIDUAL_TENSOR, np.zeros((0, caps.hidden_size), caps.dtype))
+    empty = EngineTensor.from_array(RESIDUAL_TENSOR, np.zeros((0, caps.hidden_size), numpy_dtype(caps.dtype)))
     return _with_tensor(request, empty, token_id_sideband=())
 
 

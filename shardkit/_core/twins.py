@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from shardkit._core.checks import HistoryMemo, Payload, output_problems, payload_difference, payloads_of
+from shardkit._core.checks import HistoryMemo, Payload, Tolerance, output_problems, payload_difference, payloads_of
 from shardkit._core.model import StepRequest
 from shardkit._core.outcomes import show
 from shardkit._core.steps import Action, build_request, step_action
@@ -139,6 +139,8 @@ class _Stage:
     engine: ShardEngine
     caps: EngineCapabilities
     label: str
+    #: The dtype its input rows are made in (the engine under test's), when not its own.
+    rows_dtype: str | None = None
 
 
 def _engine_name(build: Callable[[], ShardEngine]) -> str:
@@ -148,14 +150,16 @@ def _engine_name(build: Callable[[], ShardEngine]) -> str:
     return name.rpartition(":")[2] or name
 
 
-def _load_stage(build: Callable[[], ShardEngine], request: LoadRequest, start: int, end: int) -> _Stage:
+def _load_stage(
+    build: Callable[[], ShardEngine], request: LoadRequest, start: int, end: int, rows_dtype: str | None = None
+) -> _Stage:
     engine = build()
     sub = LoadRequest(request.model_id, start, end, request.total_layers, request.recipe)
     loaded = engine.load(sub)
     if not loaded.status.ok:
         message = f"loading layers {start}..{end} returned {loaded.status.code.name}: {loaded.status.message}"
         raise EngineError(loaded.status) from RuntimeError(message)
-    return _Stage(engine, engine.capabilities(), f"layers {start}..{end}")
+    return _Stage(engine, engine.capabilities(), f"layers {start}..{end}", rows_dtype)
 
 
 @dataclass
@@ -203,16 +207,24 @@ class TwinSession:
     pipeline_refused: str | None = None
 
     @classmethod
-    def start(cls, build: Callable[[], ShardEngine], request: LoadRequest, epoch: int, split: bool) -> TwinSession:
+    def start(
+        cls,
+        build: Callable[[], ShardEngine],
+        request: LoadRequest,
+        epoch: int,
+        split: bool,
+        rows_dtype: str | None = None,
+    ) -> TwinSession:
+        """The twins of a session epoch, from ``build`` (``rows_dtype``: see ``OneShotTwin``)."""
         whole = (request.shard_start, request.shard_end)
-        stepwise = _Feed([_load_stage(build, request, *whole)])
-        chunked = _Feed([_load_stage(build, request, *whole)])
+        stepwise = _Feed([_load_stage(build, request, *whole, rows_dtype)])
+        chunked = _Feed([_load_stage(build, request, *whole, rows_dtype)])
         label = f"{_engine_name(build)}, layers {whole[0]}..{whole[1]}"
         ranges = split_ranges(request) if split else None
         if ranges is None:
             return cls(epoch, stepwise, chunked, None, label)
         try:
-            pipeline = _Feed([_load_stage(build, request, start, end) for start, end in ranges])
+            pipeline = _Feed([_load_stage(build, request, start, end, rows_dtype) for start, end in ranges])
         except EngineError as refusal:
             refused = f"the engine cannot load a split of its range: {refusal}"
             return cls(epoch, stepwise, chunked, None, label, pipeline_refused=refused)
@@ -249,7 +261,7 @@ class TwinSession:
         may disagree among themselves, or the recompute's engine may have gone wrong."""
         if self.pipeline is None:
             return
-        tolerance = self.chunked.stages[0].caps.tolerance
+        tolerance = Tolerance.of(self.chunked.stages[0].caps)
         for piece_start, piece_end in chunk_pieces(self.piped_to, len(history)):
             ends, piped = self.pipeline.send(history, piece_start, piece_end)
             self.piped_to = piece_end
@@ -262,7 +274,7 @@ class TwinSession:
 
     def _composition_failure(self, history: tuple[int, ...], answers: Mapping[str, Payload], piped: Payload) -> None:
         assert self.pipeline is not None
-        tolerance = self.chunked.stages[0].caps.tolerance
+        tolerance = Tolerance.of(self.chunked.stages[0].caps)
         stages = " → ".join(stage.label for stage in self.pipeline.stages)
         first, *others = answers.values()
         if any(payload_difference(first, answer, tolerance) is not None for answer in others):
@@ -286,8 +298,10 @@ class OneShotTwin:
     own released at once. The driver keeps one per example for the ``recompute`` of every
     history (loading an engine per history cost a real engine more than the prefill)."""
 
-    def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest) -> None:
-        self.stage = _load_stage(build, request, request.shard_start, request.shard_end)
+    def __init__(self, build: Callable[[], ShardEngine], request: LoadRequest, rows_dtype: str | None = None) -> None:
+        """``rows_dtype``: the engine under test's dtype, which a middle's or tail's input
+        rows are made in before they are cast to the twin's (a reference in a wider one)."""
+        self.stage = _load_stage(build, request, request.shard_start, request.shard_end, rows_dtype)
         self.sessions = 0
 
     def answer(self, path: str, history: tuple[int, ...], memo: HistoryMemo) -> None:
@@ -306,34 +320,45 @@ class OneShotTwin:
             _remember(memo, history, path, *feed.send(history, start, end))
         feed.release()
 
+    def fed(self, history: tuple[int, ...], pieces: list[tuple[int, int]]) -> dict[tuple[int, ...], Payload]:
+        """The answers to ``history`` fed in ``pieces`` ((start, end), one step each) as one
+        session, by the history each answer speaks for."""
+        feed = self._session()
+        answers: dict[tuple[int, ...], Payload] = {}
+        for start, end in pieces:
+            ends, payloads = feed.send(history, start, end)
+            answers.update((history[:position], payload) for position, payload in zip(ends, payloads, strict=True))
+        feed.release()
+        return answers
+
     def _session(self) -> _Feed:
         self.sessions += 1
         return _Feed([self.stage], f"{TWIN_SESSION}-{self.sessions}")
 
 
-def fresh_answers(build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...]) -> dict[str, Payload]:
+def fresh_answers(
+    build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...], rows_dtype: str | None = None
+) -> dict[str, Payload]:
     """Every path's answer for ``history``, each path on an engine loaded for it alone: what
     a verdict rests on, whatever sessions the twins had served before."""
     memo = HistoryMemo()
     for path in ORACLE_PATHS:
-        OneShotTwin(build, request).answer(path, history, memo)
+        OneShotTwin(build, request, rows_dtype).answer(path, history, memo)
     return dict(memo.get(history))
 
 
 def fresh_fed(
-    build: Callable[[], ShardEngine], request: LoadRequest, history: tuple[int, ...], pieces: list[tuple[int, int]]
+    build: Callable[[], ShardEngine],
+    request: LoadRequest,
+    history: tuple[int, ...],
+    pieces: list[tuple[int, int]],
+    rows_dtype: str | None = None,
 ) -> dict[tuple[int, ...], Payload]:
     """What an engine loaded for it alone answers when ``history`` comes in ``pieces``
     ((start, end), one step each, as a session of the engine under test was fed), by the
     history each answer speaks for: whether a difference is the chunking's or another
     session's doing."""
-    feed = OneShotTwin(build, request)._session()
-    answers: dict[tuple[int, ...], Payload] = {}
-    for start, end in pieces:
-        ends, payloads = feed.send(history, start, end)
-        answers.update((history[:position], payload) for position, payload in zip(ends, payloads, strict=True))
-    feed.release()
-    return answers
+    return OneShotTwin(build, request, rows_dtype).fed(history, pieces)
 
 
 def _remember(
@@ -344,7 +369,7 @@ def _remember(
 
 
 def _feed(stages: list[_Stage], action: Action) -> list[Payload]:
-    request = build_request(action, stages[0].caps)
+    request = build_request(action, stages[0].caps, stages[0].rows_dtype)
     result = _send(stages[0], request, action)
     for stage in stages[1:]:
         # output_problems has already checked that an upstream stage returns a bundle.

@@ -292,6 +292,8 @@ def capabilities_to_pb(caps: EngineCapabilities) -> pb.EngineCapabilities:
         supported_faults=sorted(caps.supported_faults),
         tolerance=caps.tolerance,
         concurrent_calls=caps.concurrent_calls,
+        relative_tolerance=caps.relative_tolerance,
+        margin_tolerance=caps.margin_tolerance,
         **ints,
     )
 
@@ -307,6 +309,9 @@ def capabilities_from_pb(message: pb.EngineCapabilities) -> EngineCapabilities:
             supported_faults=frozenset(message.supported_faults),
             tolerance=message.tolerance,
             concurrent_calls=message.concurrent_calls,
+            # Unset by a worker written before the fields: the dtype's default, and the tolerance.
+            relative_tolerance=message.relative_tolerance if message.HasField("relative_tolerance") else None,
+            margin_tolerance=message.margin_tolerance if message.HasField("margin_tolerance") else None,
             **ints,
         ),
     )

@@ -1,7 +1,7 @@
 """Bundled shard engines, and the base classes for writing your own.
 
 ``fake`` is the deterministic fixture every suite can fuzz; ``numpy_llama`` a real
-llama-style decoder in numpy float32; ``pipeline`` a coordinator chaining shards;
+llama-style decoder in numpy (float32, or computing in bfloat16 or float16); ``pipeline`` a coordinator chaining shards;
 ``llama_cpp`` llama.cpp (the ``llama`` extra). ``base.SessionEngine`` is the class they
 are built on (write the maths, inherit the session lifecycle and the faults), and
 ``delegating.DelegatingEngine`` wraps an engine so a wrapper overrides only what it

@@ -32,16 +32,19 @@ def is_int_at_least(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def shifted_clearly(values: np.ndarray[Any, Any], shift: float) -> np.ndarray[Any, Any]:
-    """``values`` each moved by ``shift``, in their own dtype, for the malformed-output fault.
+def shifted_clearly(values: np.ndarray[Any, Any], shift: float, relative: float = 0.0) -> np.ndarray[Any, Any]:
+    """``values`` each moved by ``shift + relative·|value|``, in their own dtype, for the
+    malformed-output fault (``relative``: beyond a relative tolerance too).
 
     Where the dtype cannot register the shift (float32 cannot add 1 to 2**25) or the sum
     overflows, the value is halved instead: every value changes by far more than rounding
     and stays finite, so only an oracle can tell the output is wrong."""
     with np.errstate(over="ignore", invalid="ignore"):
-        shifted = (values.astype(np.float64) + shift).astype(values.dtype)
-        moved = np.abs(shifted.astype(np.float64) - values.astype(np.float64))
-        lost = ~(moved >= shift / 2) | ~np.isfinite(shifted)
+        wide = values.astype(np.float64)
+        shifts = shift + relative * np.abs(wide)
+        shifted: np.ndarray[Any, Any] = (wide + shifts).astype(values.dtype)
+        moved = np.abs(shifted.astype(np.float64) - wide)
+        lost = ~(moved >= shifts / 2) | ~np.isfinite(shifted)
     if lost.any():
         shifted = np.where(lost, values / 2, shifted).astype(values.dtype)
     return shifted

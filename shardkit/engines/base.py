@@ -61,6 +61,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
+from shardkit._dtypes import is_dtype_name, numpy_dtype
 from shardkit._public import settle
 from shardkit.contract import (
     ACCEPTED_BOUNDARY_POINTS,
@@ -104,6 +105,8 @@ _OK = StructuredStatus(StatusCode.OK)
 #: ``_MALFORMED_TOLERANCES`` times the tolerance): far outside any rounding noise.
 _MALFORMED_SHIFT = 0.5
 _MALFORMED_TOLERANCES = 1000.0
+#: ... and by at least this many times the relative tolerance of its value.
+_MALFORMED_RELATIVE = 4.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ class EngineSpec:
             ("total_layers", is_int_at_least(self.total_layers, 1), "an int >= 1"),
             ("hidden_size", is_int_at_least(self.hidden_size, 1), "an int >= 1"),
             ("vocab_size", is_int_at_least(self.vocab_size, 1), "an int >= 1"),
-            ("dtype", isinstance(self.dtype, str) and _is_dtype(self.dtype), "a numpy dtype name such as 'float32'"),
+            ("dtype", is_dtype_name(self.dtype), "a dtype name such as 'float32', 'bfloat16' or 'float16'"),
             ("max_sessions", is_int_at_least(self.max_sessions, 1), "an int >= 1"),
             ("max_kv_tokens", is_int_at_least(self.max_kv_tokens, 0), "an int >= 0"),
         ]
@@ -140,12 +143,8 @@ class EngineSpec:
                 raise ValueError(message)
 
 
-def _is_dtype(name: str) -> bool:
-    try:
-        np.dtype(name)
-    except TypeError:
-        return False
-    return True
+def _is_tolerance(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -244,6 +243,11 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
     EVIDENCE_CLASS: ClassVar[Literal["fixture", "real"]]
     #: Absolute tolerance on residual values and logit margins (0.0 = bit-exact).
     TOLERANCE: ClassVar[float]
+    #: Relative tolerance on residual values: one may differ by ``TOLERANCE +
+    #: RELATIVE_TOLERANCE·|reference|``. None: the dtype's default (docs/numerics.md).
+    RELATIVE_TOLERANCE: ClassVar[float | None] = None
+    #: The logit margin below which a token may differ (a near tie). None: ``TOLERANCE``.
+    MARGIN_TOLERANCE: ClassVar[float | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -281,16 +285,17 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             )
             raise TypeError(message)
         tolerance = getattr(self, "TOLERANCE", None)
-        if (
-            not isinstance(tolerance, (int, float))
-            or isinstance(tolerance, bool)
-            or not (math.isfinite(tolerance) and tolerance >= 0)
-        ):
+        if not _is_tolerance(tolerance):
             message = (
                 f"{name}.TOLERANCE must be a finite float >= 0 (0.0: outputs are bit-exact), got {tolerance!r}; "
                 "set it as a class variable"
             )
             raise TypeError(message)
+        for optional in ("RELATIVE_TOLERANCE", "MARGIN_TOLERANCE"):
+            value = getattr(self, optional)
+            if value is not None and not _is_tolerance(value):
+                message = f"{name}.{optional} must be None or a finite float >= 0, got {value!r}; set it as a class variable"
+                raise TypeError(message)
         # Calls from several threads run one at a time (``concurrent_calls``), a subclass's
         # ``forward`` included; re-entrant, so an override may call ``super()``.
         self._calls = threading.RLock()
@@ -415,6 +420,8 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             max_kv_tokens=self._max_kv_tokens,
             supported_faults=frozenset(FAULT_KINDS),
             tolerance=self.TOLERANCE,
+            relative_tolerance=self.RELATIVE_TOLERANCE,
+            margin_tolerance=self.MARGIN_TOLERANCE,
             concurrent_calls=True,
         )
 
@@ -550,7 +557,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return f"the residual's dtype must be {dtype!r}, got {tensor.dtype!r}"
         if len(tensor.shape) != 2 or tensor.shape[1] != hidden:
             return f"the residual's shape must be (rows, {hidden}), got {tensor.shape}"
-        wire = np.dtype(dtype).newbyteorder("<")
+        wire = numpy_dtype(dtype).newbyteorder("<")
         expected_bytes = tensor.shape[0] * hidden * wire.itemsize
         if len(tensor.data) != expected_bytes:
             return f"the residual holds {len(tensor.data)} bytes, but shape {tensor.shape} needs {expected_bytes}"
@@ -606,9 +613,10 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             return replace(output, token_id=(token + 1) % vocab_size)
         residual = output.tensors[0]
         # Raw bytes, not to_array(): with the malformed_output knob on, the data is truncated.
-        wire = np.dtype(self._spec.dtype).newbyteorder("<")
+        wire = numpy_dtype(self._spec.dtype).newbyteorder("<")
         values = np.frombuffer(residual.data, dtype=wire)
-        shifted = shifted_clearly(values, max(_MALFORMED_SHIFT, _MALFORMED_TOLERANCES * self.TOLERANCE))
+        relative = _MALFORMED_RELATIVE * self.capabilities().tolerances()[1]
+        shifted = shifted_clearly(values, max(_MALFORMED_SHIFT, _MALFORMED_TOLERANCES * self.TOLERANCE), relative)
         return replace(output, tensors=(replace(residual, data=shifted.astype(wire).tobytes()),))
 
     def _structurally_broken(self, output: BoundaryBundle | TokenOutput) -> BoundaryBundle | TokenOutput:
@@ -616,7 +624,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         if isinstance(output, TokenOutput):
             return replace(output, token_id=self._spec.vocab_size + output.token_id)
         residual = output.tensors[0]
-        truncated = replace(residual, data=residual.data[: -np.dtype(residual.dtype).itemsize])
+        truncated = replace(residual, data=residual.data[: -numpy_dtype(residual.dtype).itemsize])
         return replace(output, architecture=output.architecture + "-malformed", tensors=(truncated,))
 
     # --- session control -------------------------------------------------------------------

@@ -210,6 +210,8 @@ class PipelineEngine(ShardEngine):
             max_kv_tokens=min(caps.max_kv_tokens for caps in figures),
             supported_faults=frozenset(),
             tolerance=sum(caps.tolerance for caps in figures),
+            relative_tolerance=sum(caps.tolerances()[1] for caps in figures),
+            margin_tolerance=sum(caps.tolerances()[2] for caps in figures),
             # Its calls run one at a time, so its stages never see two at once.
             concurrent_calls=True,
         )

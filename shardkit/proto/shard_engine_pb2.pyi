@@ -125,7 +125,7 @@ class LoadResult(_message.Message):
     def __init__(self, status: _Optional[_Union[StructuredStatus, _Mapping]] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class EngineCapabilities(_message.Message):
-    __slots__ = ("architecture", "evidence_class", "total_layers", "shard_start", "shard_end", "hidden_size", "vocab_size", "dtype", "max_sessions", "max_kv_tokens", "supported_faults", "tolerance", "concurrent_calls")
+    __slots__ = ("architecture", "evidence_class", "total_layers", "shard_start", "shard_end", "hidden_size", "vocab_size", "dtype", "max_sessions", "max_kv_tokens", "supported_faults", "tolerance", "concurrent_calls", "relative_tolerance", "margin_tolerance")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_CLASS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class EngineCapabilities(_message.Message):
     SUPPORTED_FAULTS_FIELD_NUMBER: _ClassVar[int]
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     CONCURRENT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     evidence_class: str
     total_layers: int
@@ -152,7 +154,9 @@ class EngineCapabilities(_message.Message):
     supported_faults: _containers.RepeatedScalarFieldContainer[str]
     tolerance: float
     concurrent_calls: bool
-    def __init__(self, architecture: _Optional[str] = ..., evidence_class: _Optional[str] = ..., total_layers: _Optional[int] = ..., shard_start: _Optional[int] = ..., shard_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., supported_faults: _Optional[_Iterable[str]] = ..., tolerance: _Optional[float] = ..., concurrent_calls: bool = ...) -> None: ...
+    relative_tolerance: float
+    margin_tolerance: float
+    def __init__(self, architecture: _Optional[str] = ..., evidence_class: _Optional[str] = ..., total_layers: _Optional[int] = ..., shard_start: _Optional[int] = ..., shard_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., supported_faults: _Optional[_Iterable[str]] = ..., tolerance: _Optional[float] = ..., concurrent_calls: bool = ..., relative_tolerance: _Optional[float] = ..., margin_tolerance: _Optional[float] = ...) -> None: ...
 
 class EngineTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
