@@ -227,6 +227,16 @@ def test_an_engine_that_overflows_on_huge_rows_is_found_and_shrunk_to_one_step(s
     assert steps == ["prefill(session='a', epoch=0, step=0, tokens=[0], rows='huge')"]
 
 
+def test_no_extreme_values_leaves_the_rule_out_and_says_so_in_the_rerun_line() -> None:
+    """``--no-extreme-values``: an engine that overflows only on huge rows then passes, the
+    machine has no ``extreme_values`` rule, and the rerun line keeps the option."""
+    engine: type[PlantedEngine] = LayerNormVarianceOverflows
+    assert not hasattr(machine_for(FakeShardEngine, role="middle", extreme_values=False), "extreme_values")
+    result = fuzz(engine, seed=1, examples=200, steps=50, role=engine.ROLE, extreme_values=False)
+    assert result.failure is None, result.failure and result.failure.violation.message
+    assert "--no-extreme-values" in result.rerun_command
+
+
 def test_a_failure_that_needs_no_extreme_values_shrinks_to_ordinary_bundles() -> None:
     """A bug of the session lifecycle met through an extreme prefill, as a middle: the
     minimiser lowers the rule's ``values`` to 0, so the shrunk steps hold ordinary rows."""

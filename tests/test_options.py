@@ -179,7 +179,8 @@ def test_the_command_line_options_are_generated_from_the_declarations(command: s
             continue
         checked += 1
         action = actions[flag]
-        if name == "twins":
+        if getattr(defaults, name) is True:  # on by default, turned off by its --no- flag
+            assert flag.startswith("--no-")
             assert action.default is False
             assert action.const is True
             continue

@@ -73,7 +73,7 @@ def declared_option(command: argparse.ArgumentParser | Any, name: str, help: str
 
     declaration = declared(FuzzOptions, name)
     default = next(each.default for each in fields(FuzzOptions) if each.name == name)
-    if name == "twins":  # the one option the command line turns off: --no-twins
+    if default is True:  # an option on by default, which the command line turns off: --no-twins
         command.add_argument(declaration.flag, action="store_true", help=help or declaration.help)
         return
     arguments: dict[str, Any] = {
@@ -162,6 +162,7 @@ def run_options(command: str, args: argparse.Namespace, **only_fuzz: Any) -> Fuz
             role=args.role,
             faults=args.faults,
             twins=not args.no_twins,
+            extreme_values=not args.no_extreme_values,
             concurrency=args.concurrency,
             database=choose_database(args.database, args.database_read_only),
             **only_fuzz,
@@ -261,16 +262,13 @@ def build_parser() -> _Parser:
     full_rows = "print the rows a determinism failure compared whole (its message names the largest difference)"
     fuzz = commands.add_parser("fuzz", help="fuzz an engine against the reference model")
     fuzz.add_argument("target", nargs="?", default=None, help=f"engine target (default {DEFAULT_TARGET}, unless --worker-command)")
-    declared_option(fuzz, "role")
-    declared_option(fuzz, "examples")
-    declared_option(fuzz, "steps")
-    declared_option(fuzz, "shrink_examples")
+    for name in ("role", "examples", "steps", "shrink_examples"):
+        declared_option(fuzz, name)
     fuzz.add_argument(
         "--seed", type=_seed, default=None, help="seed of the whole run, or random (default: chosen and printed)"
     )
-    declared_option(fuzz, "faults")
-    declared_option(fuzz, "twins")
-    declared_option(fuzz, "reference")
+    for name in ("faults", "twins", "extreme_values", "reference"):
+        declared_option(fuzz, name)
     declared_option(fuzz, "base", default=None)  # None: FuzzOptions' own default
     declared_option(fuzz, "concurrency")
     fuzz.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
@@ -286,10 +284,8 @@ def build_parser() -> _Parser:
     campaign.add_argument("--minutes", type=_minutes, required=True, metavar="M", help="start rounds for M minutes; rounds in flight then finish")
     campaign.add_argument("--seed", type=_seed, default=None, help="seed the rounds' seeds derive from, or random (default: chosen and printed)")
     declared_option(campaign, "examples", help="examples per round ({default})")
-    declared_option(campaign, "steps")
-    declared_option(campaign, "role")
-    declared_option(campaign, "faults")
-    declared_option(campaign, "twins")
+    for name in ("steps", "role", "faults", "twins", "extreme_values"):
+        declared_option(campaign, name)
     declared_option(campaign, "concurrency", help="lanes of calls sent at the same time, as for fuzz")
     campaign.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     campaign.add_argument("--report", type=Path, default=None, help="write the merged report (JSON) here")

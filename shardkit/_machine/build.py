@@ -77,6 +77,7 @@ def build_machine(
         target, isolate=options.isolate, step_timeout=options.step_timeout, worker_memory_mb=options.worker_memory_mb
     )
     setup = _Setup(plan, options)
+    sends_bundles = options.role in (None, "middle", "tail")
     namespace: dict[str, Any] = {
         "_options": options,
         "_setup": setup,
@@ -88,7 +89,7 @@ def build_machine(
         **({"_fuzzer_failures": staticmethod(fuzzer_failures)} if fuzzer_failures is not None else {}),
         **({"inject_fault": inject_fault} if options.wanted_faults else {}),
         # Only where bundles are sent: a head's or full shard's draws stay as they were.
-        **({"extreme_values": extreme_values} if options.role in (None, "middle", "tail") else {}),
+        **({"extreme_values": extreme_values} if options.extreme_values and sends_bundles else {}),
         **(parallel_rules(options.concurrency, base) if options.concurrency > 1 else {}),
         "_concurrency": options.concurrency,
     }

@@ -212,7 +212,8 @@ class MachineOptions:
     docs/extending.md). ``isolate`` runs each engine in a worker process whose calls get
     ``step_timeout`` seconds (a remote target's too) and whose memory ``worker_memory_mb``
     limits. ``concurrency`` of 2 or 3 ends examples with that many lanes of calls sent at
-    the same time (docs/contract.md#linearizability).
+    the same time (docs/contract.md#linearizability). ``extreme_values`` False leaves out
+    the rule that sends rows at the edges of the dtype's range (docs/numerics.md#extreme-values).
     """
 
     role: Role | None = field(
@@ -228,6 +229,13 @@ class MachineOptions:
         ),
     )
     twins: bool = field(default=True, metadata=declare("--no-twins", "skip the twin oracle (faster, finds less)"))
+    extreme_values: bool = field(
+        default=True,
+        metadata=declare(
+            "--no-extreme-values",
+            "never send a middle or tail rows at the edges of its dtype's range (huge, subnormal, zero)",
+        ),
+    )
     reference: Target | ResolvedTarget | None = field(
         default=None,
         metadata=declare(

@@ -58,6 +58,8 @@ def machine_identity(machine: type[ShardMachine]) -> str:
     ]
     if machine._concurrency > 1:  # only then, so a sequential run keeps the names it always had
         parts.append(f"concurrency={machine._concurrency}")
+    if not options.extreme_values:
+        parts.append("extreme_values=False")
     return "\n".join(parts)
 
 

@@ -164,6 +164,8 @@ class FuzzOptions(MachineOptions):
             parts += ["--faults", self.faults]
         if not self.twins:
             parts.append("--no-twins")
+        if not self.extreme_values:
+            parts.append("--no-extreme-values")
         if self.concurrency != defaults.concurrency:
             parts += ["--concurrency", str(self.concurrency)]
         if reference is not None:

@@ -378,6 +378,7 @@ def _options_fields(options: FuzzOptions) -> dict[str, Any]:
         "role": options.role or "any",
         "faults": options.faults,
         "twins": options.twins,
+        "extreme_values": options.extreme_values,
         "reference": reference,
         "concurrency": options.concurrency,
         "isolate": bool(options.isolate),

@@ -76,6 +76,7 @@ def machine_for(
     model: Callable[[], ReferenceModel] | None = None,
     base: type[ShardMachine] = ShardMachine,
     name: str | None = None,
+    extreme_values: bool = True,
     isolate: bool | IsolationOptions = False,
     step_timeout: float | None = None,
     worker_memory_mb: int | None = None,
@@ -99,12 +100,14 @@ def machine_for(
     names the engine instead of ``target_or_factory``: a command, in any language, that
     serves contract v1 on the address the kit puts in its ``{address}``; the kit starts it
     as isolated workers, whose deaths are failures like an isolated engine's
-    (docs/any-language.md).
+    (docs/any-language.md). ``extreme_values`` False never sends a middle or tail rows at
+    the edges of its dtype's range (docs/numerics.md#extreme-values).
     """
     options = MachineOptions(
         role=role,  # type: ignore[arg-type]  # MachineOptions reads "any" as None
         faults=faults,  # type: ignore[arg-type]  # MachineOptions makes it canonical
         twins=twins,
+        extreme_values=extreme_values,
         reference=reference,  # type: ignore[arg-type]  # typed by MachineOptions
         model=model,
         base=base,
