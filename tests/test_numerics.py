@@ -14,6 +14,13 @@ import pytest
 from shardkit._core.checks import Tolerance, payload_difference
 from shardkit._core.steps import _synthetic_rows, row_code, synthetic_bundle
 from shardkit._dtypes import float_info, numpy_dtype
+from shardkit._planted.numerics import (
+    MASSIVE_CHANNEL,
+    AbsoluteToleranceDecodeShipsInt8Residual,
+    AbsoluteToleranceMassiveActivationsBfloat16Engine,
+    DecodeShipsInt8Residual,
+    MassiveActivationsBfloat16Engine,
+)
 from shardkit._run.runner import fuzz
 from shardkit._transport import codec
 from shardkit.contract import (
@@ -207,3 +214,51 @@ def test_the_numpy_engine_in_bfloat16_and_float16_fuzzes_clean_in_every_role(
     assert result.failure is None, result.failure.violation.message
     assert result.coverage[("prefill", "OK")] > 0
     assert result.coverage[("decode", "OK")] > 0
+
+
+# --- a bfloat16 bug only the relative tolerance sees (shardkit/_planted/numerics.py) ----------
+
+MASSIVE = "shardkit._planted.numerics"
+MASSIVE_REFERENCE = f"{MASSIVE}:MassiveActivationsFloat32Engine"
+
+
+def test_an_absolute_tolerance_below_the_massive_channels_rounding_is_a_false_alarm_against_float32() -> None:
+    """Why the absolute-only engine must declare 1.5: at 0.5 a correct bfloat16 engine already
+    differs from float32 by more, on the massive channel."""
+
+    class HalfAbsolute(MassiveActivationsBfloat16Engine):
+        TOLERANCE = 0.5
+        RELATIVE_TOLERANCE = 0.0
+
+    result = fuzz(HalfAbsolute, seed=1, role="head", reference=MASSIVE_REFERENCE)
+    assert result.failure is not None
+    assert f"column {MASSIVE_CHANNEL} " in result.failure.violation.message
+
+
+@pytest.mark.parametrize(
+    "engine", [MassiveActivationsBfloat16Engine, AbsoluteToleranceMassiveActivationsBfloat16Engine]
+)
+def test_the_correct_massive_activation_engine_passes_against_float32_under_either_tolerance(engine: type) -> None:
+    result = fuzz(engine, seed=1, role="head", reference=MASSIVE_REFERENCE)
+    assert result.failure is None, result.failure.violation.message
+
+
+def test_the_int8_decode_bug_is_missed_by_the_absolute_tolerance_it_stays_within() -> None:
+    result = fuzz(AbsoluteToleranceDecodeShipsInt8Residual, seed=1, role="head", reference=MASSIVE_REFERENCE)
+    assert result.failure is None, result.failure.violation.message
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_int8_decode_bug_is_found_by_the_allclose_tolerance_and_shrunk_to_a_prefill_and_a_decode(
+    seed: int,
+) -> None:
+    engine = DecodeShipsInt8Residual
+    result = fuzz(engine, seed=seed, role=engine.ROLE, reference=MASSIVE_REFERENCE)
+    assert result.failure is not None, f"not found at seed {seed}"
+    violation = result.failure.violation
+    assert violation.property.startswith(engine.PROPERTY)
+    assert "differs by more than the tolerance 0.1 + 0.016·|reference|" in violation.message
+    assert [record.action.op for record in result.failure.records] == ["prefill", "decode"]
+    # The explanation is the reference's, fed the same steps: never a chunking or another session.
+    assert "the reference (MassiveActivationsFloat32Engine) loaded alone and fed as session" in violation.message
+    assert "the engine under test answers the same steps otherwise than the reference" in violation.message

@@ -269,18 +269,24 @@ class OutputChecks(StepContext):
         as_fed = fed.get(history)
         if as_fed is None:
             return failure
-        fed_as = f"an engine loaded alone and fed as session {session_id!r} was ({_count(len(pieces), 'step')})"
-        if payload_difference(as_fed, payload, Tolerance.of(self.caps)) is None:
+        loaded = f"the reference ({self.reference.target.label})" if self.differential else "an engine"
+        fed_as = f"{loaded} loaded alone and fed as session {session_id!r} was ({_count(len(pieces), 'step')})"
+        tolerance = Tolerance.of(self.caps)
+        if payload_difference(as_fed, payload, tolerance) is None:
             detail = (
                 f"{fed_as} gives the same row: the difference comes from how the history is split into steps "
                 "(chunking), not from another session; if it is within the engine's precision, declare a "
                 "tolerance above it (docs/contract.md#determinism)"
             )
         else:
-            detail = (
-                f"{fed_as} gives another row (the engine under test's differs from it {largest_difference(as_fed, payload)}): "
-                "its answer depends on more than this session's steps"
+            # With a reference, the steps were the same: the engine under test answers them otherwise.
+            why = (
+                "the engine under test answers the same steps otherwise than the reference"
+                if self.differential
+                else "its answer depends on more than this session's steps"
             )
+            where = largest_difference(as_fed, payload, tolerance)
+            detail = f"{fed_as} gives another row (the engine under test's differs from it {where}): {why}"
         return Fail(failure.property, failure.expected, failure.observed, detail, failure.rows)
 
     def _carried_from(self, history: tuple[int, ...], payload: Payload) -> str:
