@@ -490,7 +490,21 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_quick: st
         table,
         re.MULTILINE,
     ), table
+    assert "numerics (1 histories of 8 tokens per model and format, prefilled whole and token by token;" in table
+    for fmt in ("float32", "tf32-like", "bfloat16", "float16"):
+        assert re.search(rf"^    {fmt} +chunking [\d.e+-]+ \([\d.e+-]+ beside\)  vs float32 ", table, re.MULTILINE), table
     assert NOT_MEASURED not in table
+
+
+def test_the_numerics_section_sees_each_format_differ_as_its_precision_says() -> None:
+    """float32 answers move far less with the chunking than float16 or TF32-like ones, and
+    those far less than bfloat16's; float32 is its own reference (0)."""
+    figures = run_bench(BenchSettings(numerics_histories=2, numerics_tokens=24), sections=("numerics",))
+    for formats in figures["numerics"]["models"].values():
+        assert formats["float32"]["float32"] == 0.0
+        assert formats["float32"]["chunking"] < 1e-3
+        assert formats["float32"]["chunking"] < formats["float16"]["chunking"] < formats["bfloat16"]["chunking"]
+        assert formats["float16"]["float32"] < formats["bfloat16"]["float32"]
 
 
 def test_bench_planted_none_skips_the_planted_engines() -> None:

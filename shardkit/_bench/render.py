@@ -23,6 +23,7 @@ def render(bench: dict[str, Any]) -> str:
         *_render_memory(bench["memory"]),
         *_render_scale_out(bench["scale_out"]),
         *_render_native_threads(bench["native_threads"]),
+        *_render_numerics(bench["numerics"]),
     ]
     sections = ", ".join(f"{name} {seconds:g} s" for name, seconds in bench["section_seconds"].items())
     lines.append(f"peak RSS {bench['peak_rss_mb']} MB; bench took {bench['elapsed_s']} s ({sections})")
@@ -211,6 +212,26 @@ def _render_native_threads(native: dict[str, Any] | str) -> list[str]:
             f"x{row['slower']:.1f} slower unpinned (x{row['slower_min']:.1f}-x{row['slower_max']:.1f})"
             + (f"; load {row['load_average_before']:g} before" if row["load_average_before"] is not None else "")
         )
+    return lines
+
+
+def _render_numerics(numerics: dict[str, Any] | str) -> list[str]:
+    if isinstance(numerics, str):
+        return [f"numerics: {numerics}"]
+    lines = [
+        f"numerics ({numerics['histories']} histories of {numerics['tokens']} tokens per model and format, "
+        "prefilled whole and token by token; the largest difference of a residual value, and beside the "
+        "format's default relative tolerance):"
+    ]
+    for model, formats in numerics["models"].items():
+        lines.append(f"  {model}:")
+        for fmt, row in formats.items():
+            flips = f"{row['flips']} argmax flips (margin <= {row['flip_margin']:.2g})" if row["flips"] else "no argmax flip"
+            lines.append(
+                f"    {fmt:<9} chunking {row['chunking']:.2g} ({row['chunking_beside_relative']:.2g} beside)  "
+                f"vs float32 {row['float32']:.2g} ({row['float32_beside_relative']:.2g} beside)  "
+                f"values up to {row['largest_value']:.3g}; logits {row['logits']:.2g} apart, {flips}"
+            )
     return lines
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from shardkit._bench.concurrency import measure_concurrency
 from shardkit._bench.memory import measure_memory
 from shardkit._bench.native_threads import measure_native_threads
+from shardkit._bench.numerics import measure_numerics
 from shardkit._bench.out_of_process import measure_out_of_process
 from shardkit._bench.planted import measure_planted
 from shardkit._bench.scale_out import measure_scale_out
@@ -52,6 +53,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
     memory = measured("memory", measure_memory)
     scale_out = measured("scale_out", measure_scale_out)
     native_threads = measured("native_threads", measure_native_threads)
+    numerics = measured("numerics", measure_numerics)
     headline = ("kit_steps_per_s", "bare_steps_per_s", "throughput_ratio", "long_session_share")
     full = throughput["full"] if isinstance(throughput, dict) else dict.fromkeys(headline)
     return {
@@ -71,6 +73,7 @@ def run_bench(config: BenchSettings, *, sections: Collection[str] = SECTIONS) ->
         "memory": memory,
         "scale_out": scale_out,
         "native_threads": native_threads,
+        "numerics": numerics,
         "peak_rss_mb": round(_peak_rss_mb(), 1),
         "elapsed_s": round(time.perf_counter() - started, 1),
         "section_seconds": section_seconds,

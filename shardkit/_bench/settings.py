@@ -34,6 +34,7 @@ SECTIONS = (
     "memory",
     "scale_out",
     "native_threads",
+    "numerics",
 )
 #: What a section left out by ``run_bench(..., sections=...)`` reports instead of its figures.
 NOT_MEASURED = "not measured in this run"
@@ -71,6 +72,10 @@ class BenchSettings:
     #: The native-threads section's prefill: this many tokens through the numpy engine, with a
     #: BLAS thread per core and with one, ``rounds`` rounds interleaved, idle and with the other cores busy.
     native_prefill_tokens: int = 256
+    #: The numerics section: this many histories of ``numerics_tokens`` tokens per model and
+    #: format, each prefilled whole and token by token.
+    numerics_histories: int = 20
+    numerics_tokens: int = 96
 
 
 #: ``shardkit bench --quick``: every section at sizes that run in well under a minute, to check
@@ -87,4 +92,6 @@ QUICK = BenchSettings(
     scale_out_rounds=1,
     scale_out_suites=4,
     native_prefill_tokens=32,
+    numerics_histories=1,
+    numerics_tokens=8,
 )

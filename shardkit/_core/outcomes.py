@@ -38,8 +38,11 @@ __all__ = [
 
 CRASHED = "CRASH"
 KIT_BUG_ENDING = "this is a bug in shardkit; please report it with this trace"
-#: The most characters of compared rows a failure keeps (``Violation.rows``).
-ROWS_TEXT_LIMIT = 60_000
+#: The longest text a trace's field may hold: the trace reader refuses a longer one.
+TRACE_TEXT_LIMIT = 65_536
+#: The most characters of compared rows a failure keeps (``Violation.rows``): what a trace
+#: can hold, less room for the note that says where they were cut.
+ROWS_TEXT_LIMIT = TRACE_TEXT_LIMIT - 64
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class Fail(Exception):
         self.expected = expected
         self.observed = observed
         self.detail = detail
-        # Cut to what a trace may hold (its reader takes texts of up to 65,536 characters).
+        # Cut to what a trace may hold (TRACE_TEXT_LIMIT).
         self.rows = rows if len(rows) <= ROWS_TEXT_LIMIT else f"{rows[:ROWS_TEXT_LIMIT]} … (cut at {ROWS_TEXT_LIMIT:,} characters)"
 
 

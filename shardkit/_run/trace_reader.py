@@ -36,6 +36,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardkit._core.driver import CustomOp, Violation
+from shardkit._core.outcomes import TRACE_TEXT_LIMIT
 from shardkit._core.steps import BEFORE_LOAD_CALLS, PARALLEL_OP, Action, known_malformations, phase_action
 from shardkit._core.targets import IsolationOptions
 from shardkit._parallel.phase import PARALLEL_OPS
@@ -56,7 +57,7 @@ __all__ = [
 MAX_TRACE_BYTES = 64 * 1024 * 1024
 MAX_STEPS = 100_000
 MAX_TOKENS = 65_536
-MAX_TEXT = 65_536
+MAX_TEXT = TRACE_TEXT_LIMIT
 MAX_INT = 2**64
 MAX_DELAY_SECONDS = 10.0
 #: The delay faults of one trace, added up: replay waits them out, one run after another.

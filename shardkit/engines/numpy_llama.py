@@ -229,8 +229,12 @@ def _rotate(x: Array, cos: Array, sin: Array) -> Array:
     return rotated
 
 
-def _load_shard(weights: LlamaWeights, layers: range, role: Role, dtype: str) -> _Shard:
-    config, rounding = weights.config, _rounding(dtype)
+def _load_shard(
+    weights: LlamaWeights, layers: range, role: Role, dtype: str, rounding: Rounding | None = None
+) -> _Shard:
+    """The shard of ``layers`` computing in ``dtype`` (``rounding``: another format's, kept in float32)."""
+    config = weights.config
+    rounding = rounding or _rounding(dtype)
     first, last = role in ("head", "full"), role in ("tail", "full")
     half = np.arange(config.head_dim // 2, dtype=np.float64)
     return _Shard(
