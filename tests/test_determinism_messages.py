@@ -21,7 +21,8 @@ from shardkit._core.steps import Action, step_action
 from shardkit._run.runner import fuzz
 from shardkit._run.trace_reader import read_trace
 from shardkit._transport.resolve import resolve_target
-from shardkit.contract import BoundaryBundle, LoadRequest, PrefillRequest, StepResult
+from shardkit.contract import BoundaryBundle, DecodeRequest, EngineTensor, LoadRequest, PrefillRequest, StepResult
+from shardkit.engines.numpy_llama import NumpyBfloat16ShardEngine
 
 HEAD = LoadRequest("shardkit-fuzz", 0, 1, 4)
 #: The value added to the first row of a prefill of two tokens or more: far below any
@@ -139,3 +140,28 @@ def test_the_rows_travel_in_the_trace_and_print_whole_only_with_full_rows(tmp_pa
     assert whole.returncode == 1, whole.stderr
     assert "the rows compared, whole:" in whole.stdout, whole.stdout
     assert "    expected row [" in whole.stdout, whole.stdout
+
+
+class DecodesShiftColumn3(NumpyBfloat16ShardEngine):
+    """A bfloat16 engine whose decodes move column 3 by three times its tolerance: its own
+    paths then disagree (one token per decode against a recompute in one prefill)."""
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        result = super().decode(request)
+        if not result.status.ok or not isinstance(result.output, BoundaryBundle):
+            return result
+        rows = result.output.tensors[0].to_array().astype(np.float32)
+        rows[:, 3] += 3 * self.TOLERANCE
+        shifted = EngineTensor.from_array("residual", rows.astype(result.output.tensors[0].to_array().dtype))
+        return dataclasses.replace(result, output=dataclasses.replace(result.output, tensors=(shifted,)))
+
+
+def test_when_the_engines_own_paths_disagree_the_message_names_where_and_the_tolerance() -> None:
+    """The rows shown are cut to their ends; the column where two paths part most, by how
+    much and against which tolerance, is named beside them."""
+    result = fuzz(DecodesShiftColumn3, seed=1, role="middle")
+    assert result.failure is not None
+    message = result.failure.violation.message
+    assert "the engine's own paths disagree" in message, message
+    assert "at column 3 " in message, message
+    assert "tolerance 0.25 + 0.016·|reference|" in message, message

@@ -230,6 +230,11 @@ class OutputChecks(StepContext):
             whole = f"expected {show_whole(expected)}\nobserved {show_whole(payload)}"
             return Fail("§3 determinism", expected_text, observed, self._carried_from(history, payload), whole)
         each = paths_text(references)
+        (first, first_answer), (second, second_answer) = groups[0][0], groups[1][0]
+        if not isinstance(first_answer, tuple):
+            # Where they part most, against the engine's tolerance: what the rows shown cut may hide.
+            where = largest_difference(first_answer, second_answer, tolerance)
+            each += f"; {ORACLE_PATHS[second]} differs from {ORACLE_PATHS[first]} {where}, tolerance {tolerance.text()}"
         if self.differential:
             what = f"its paths disagree {after}: {each}"
             raise self._broken_reference(what)
