@@ -15,6 +15,7 @@ import pytest
 from shardkit import (
     CacheResult,
     DecodeRequest,
+    EngineTensor,
     FakeShardEngine,
     LoadRequest,
     NumpyShardEngine,
@@ -252,3 +253,26 @@ def test_a_failure_that_needs_no_extreme_values_shrinks_to_ordinary_bundles() ->
     shrunk = minimize_failure(machine, failure).report
     steps = [record.action.describe() for record in shrunk.records]
     assert steps == ["prefill(session='a', epoch=0, step=0, tokens=[0])", "release(session='a')"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "cause"),
+    [
+        ("huge", "an engine that squares a row in its dtype overflows there"),
+        ("subnormal", "one that divides by a row's norm with no epsilon divides by zero there"),
+        ("zero", "one that divides by a row's norm with no epsilon divides by zero there"),
+    ],
+)
+def test_a_non_finite_answer_to_extreme_rows_names_the_likely_cause_of_that_kind(kind: str, cause: str) -> None:
+    caps = FakeShardEngine().capabilities()
+    middle = replace(caps, shard_start=1, shard_end=2)
+    request = build_request(step_action("prefill", "a", 0, 0, (row_code(3, ROW_KINDS.index(kind)),)), middle)
+    nan = np.full((1, middle.hidden_size), np.nan, np.float32)
+    answer = StepResult(
+        StructuredStatus(StatusCode.OK),
+        CacheResult.MISS,
+        replace(request.bundle, tensors=(EngineTensor.from_array("residual", nan),)),  # type: ignore[arg-type]
+    )
+    problems = [problem for problem in output_problems(middle, request, answer) if "non-finite" in problem]
+    assert len(problems) == 1
+    assert cause in problems[0], problems[0]

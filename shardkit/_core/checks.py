@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from shardkit._core.model import StepRequest, input_length
-from shardkit._core.steps import row_codes_of, row_kinds_text
+from shardkit._core.steps import ROW_KINDS, row_codes_of, row_kinds_text, split_row_code
 from shardkit._dtypes import numpy_dtype
 from shardkit.contract import (
     OUTPUT_BOUNDARY_POINT,
@@ -119,12 +119,19 @@ def _after_input(caps: EngineCapabilities, request: StepRequest, problem: str = 
     bundle = request.bundle
     if NON_FINITE not in problem or bundle is None or bundle.token_id_sideband is None or len(bundle.tensors) != 1:
         return ""
-    held = row_kinds_text(row_codes_of(caps, bundle.tensors[0].data, bundle.token_id_sideband), caps.dtype)
+    codes = row_codes_of(caps, bundle.tensors[0].data, bundle.token_id_sideband)
+    held = row_kinds_text(codes, caps.dtype)
     if not held:
         return ""
+    kinds = {ROW_KINDS[split_row_code(code)[1]] for code in codes}
+    causes = []
+    if kinds & {"huge", "mixed"}:
+        causes.append("an engine that squares a row in its dtype overflows there")
+    if kinds & {"subnormal", "zero", "mixed"}:
+        causes.append("one that divides by a row's norm with no epsilon divides by zero there")
     return (
         f", after an input whose {held}: finite input, which the engine must answer with finite values "
-        "(an engine that squares a row in its dtype overflows there: docs/contract.md#extreme-values)"
+        f"({'; '.join(causes)}: docs/contract.md#extreme-values)"
     )
 
 
