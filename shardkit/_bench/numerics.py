@@ -11,6 +11,7 @@ the largest top-2 margin at which the argmax flipped.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -28,10 +29,14 @@ __all__ = ["NUMERICS_FORMATS", "NUMERICS_MODELS", "measure_numerics", "tf32_roun
 #: matmul's inputs: a bound on TF32's differences, not a copy of them.
 NUMERICS_FORMATS = ("float32", "tf32-like", "bfloat16", "float16")
 #: The models: the bundled engine's default, and the shape the numerics issue measured on a GPU.
-NUMERICS_MODELS = {
-    "bundled (4 layers, hidden 64)": LlamaConfig(),
-    "8 layers, hidden 512, 8 heads": LlamaConfig(hidden_size=512, n_layers=8, n_heads=8, n_kv_heads=8, ff_size=1376),
-}
+NUMERICS_MODELS = MappingProxyType(
+    {
+        "bundled (4 layers, hidden 64)": LlamaConfig(),
+        "8 layers, hidden 512, 8 heads": LlamaConfig(
+            hidden_size=512, n_layers=8, n_heads=8, n_kv_heads=8, ff_size=1376
+        ),
+    }
+)
 
 
 def tf32_rounding(values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
