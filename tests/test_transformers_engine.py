@@ -8,6 +8,8 @@ extra, except under SHARDKIT_REQUIRE_TRANSFORMERS=1 (CI), where a missing instal
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from shardkit import (
     BoundaryBundle,
     DecodeRequest,
     LoadRequest,
+    NumpyShardEngine,
     PrefillRequest,
     TokenOutput,
     assert_shard_engine_contract,
@@ -28,7 +31,7 @@ from shardkit.contract import ROLES
 if os.environ.get("SHARDKIT_REQUIRE_TRANSFORMERS") != "1":
     pytest.importorskip("transformers", reason="transformers is not installed: pip install 'shardkit[transformers]'")
 
-from shardkit.engines.transformers_llama import TransformersShardEngine, tiny_llama
+from shardkit.engines.transformers_llama import TransformersShardEngine, numpy_weights, tiny_llama
 
 TARGET = "shardkit.engines.transformers_llama:TransformersShardEngine"
 LAYERS = 4
@@ -120,3 +123,60 @@ def test_fuzzing_finds_no_failure_in_any_role(role: str) -> None:
     assert result.failure is None, result.failure.violation.message
     assert result.coverage[("prefill", "OK")] > 0
     assert result.coverage[("decode", "OK")] > 0
+
+
+# --- three-way parity: the numpy engine's weights (the tiny GGUF's) in transformers ---------
+
+NUMPY = "shardkit.engines.numpy_llama:NumpyShardEngine"
+NUMPY_WEIGHTS = "shardkit.engines.transformers_llama:numpy_weights"
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (0, 3)])
+def test_the_numpy_engines_weights_give_the_numpy_engines_answers(start: int, end: int) -> None:
+    tokens = (5, 17, 3, 99, 42, 7, 1, 2)
+    answers = []
+    for engine in (numpy_weights(), NumpyShardEngine()):
+        assert engine.load(LoadRequest("tiny-llama", start, end, LAYERS)).status.ok
+        answers.append(engine.prefill(PrefillRequest("s", 0, 0, token_ids=tokens)).output)
+    ours, theirs = answers
+    if isinstance(ours, BoundaryBundle):
+        assert isinstance(theirs, BoundaryBundle)
+        assert np.abs(ours.tensors[0].to_array() - theirs.tensors[0].to_array()).max() < NumpyShardEngine.TOLERANCE
+    else:
+        assert isinstance(ours, TokenOutput)
+        assert isinstance(theirs, TokenOutput)
+        assert ours.token_id == theirs.token_id
+        assert ours.margin == pytest.approx(theirs.margin, abs=NumpyShardEngine.TOLERANCE)
+
+
+def test_the_tiny_gguf_file_is_read_into_the_same_model() -> None:
+    from shardkit.engines.gguf_io import write_tiny_llama_gguf
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "tiny.gguf"
+        write_tiny_llama_gguf(path)
+        from_file = TransformersShardEngine.from_gguf(path)
+    ours = numpy_weights()
+    for engine in (from_file, ours):
+        assert engine.load(LoadRequest("tiny-llama", 0, 3, LAYERS)).status.ok
+    request = PrefillRequest("s", 0, 0, token_ids=(3, 1, 4, 1, 5))
+    assert from_file.prefill(request).output == ours.prefill(request).output
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_it_fuzzes_clean_against_the_numpy_engine_on_the_same_weights(role: str) -> None:
+    """Differentially, in every role. A middle's and a tail's extreme rows are left out:
+    transformers' RMSNorm squares in float32, as the next test shows."""
+    result = fuzz(NUMPY_WEIGHTS, seed=1, role=role, reference=NUMPY, extreme_values=False)
+    assert result.failure is None, result.failure.violation.message
+
+
+def test_against_numpy_the_kit_finds_transformers_rmsnorm_overflowing_on_huge_rows() -> None:
+    """LlamaRMSNorm squares a row in float32: a row of values near 3e38 overflows to inf, its
+    scale to 0, and the layer answers as if the row were zeros, where the numpy engine (which
+    squares in float64) keeps it. Found in one prefill of extreme rows."""
+    result = fuzz(NUMPY_WEIGHTS, seed=1, role="middle", reference=NUMPY)
+    assert result.failure is not None
+    assert result.failure.violation.property == "§3 determinism"
+    assert len(result.failure.records) == 1
+    assert "rows=" in result.failure.records[0].action.describe()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -33,8 +34,16 @@ from shardkit._dtypes import numpy_dtype
 from shardkit.contract import EngineCapabilities, LoadRequest, Role
 from shardkit.engines._checks import is_int_at_least
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
+from shardkit.engines.llama_weights import LlamaWeights
 
-__all__ = ["ARCHITECTURE", "TransformersEngineCrash", "TransformersShardEngine", "tiny_llama"]
+__all__ = [
+    "ARCHITECTURE",
+    "TransformersEngineCrash",
+    "TransformersShardEngine",
+    "llama_from_weights",
+    "numpy_weights",
+    "tiny_llama",
+]
 
 ARCHITECTURE = "llama"
 #: The boundary dtypes served, with the torch dtype each computes in.
@@ -94,6 +103,64 @@ def tiny_llama() -> Any:
     return model.eval()
 
 
+def llama_from_weights(weights: LlamaWeights) -> Any:
+    """A float32 ``LlamaForCausalLM`` holding ``weights``: the numpy engine's, or a GGUF
+    file's as ``shardkit.engines.gguf_io.read_llama_gguf`` reads it. GGUF (and the numpy
+    engine) rotate adjacent pairs of a head's query and key values, transformers the first
+    half against the second: the query and key rows are put back in transformers' order, the
+    inverse of the permutation llama.cpp's converter applies."""
+    torch, transformers = _torch(), _transformers()
+    shape = weights.config
+    config = transformers.LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ff_size,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_kv_heads,
+        max_position_embeddings=shape.context_length,
+        rms_norm_eps=shape.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        attn_implementation="eager",
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    def tensor(values: npt.NDArray[Any]) -> Any:
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    state = {
+        "model.embed_tokens.weight": tensor(weights.token_embd),
+        "model.norm.weight": tensor(weights.output_norm),
+        "lm_head.weight": tensor(weights.output),
+    }
+    for index, layer in enumerate(weights.layers):
+        prefix = f"model.layers.{index}."
+        state |= {
+            prefix + "input_layernorm.weight": tensor(layer.attn_norm),
+            prefix + "self_attn.q_proj.weight": tensor(_rows_halved(layer.attn_q, shape.n_heads)),
+            prefix + "self_attn.k_proj.weight": tensor(_rows_halved(layer.attn_k, shape.n_kv_heads)),
+            prefix + "self_attn.v_proj.weight": tensor(layer.attn_v),
+            prefix + "self_attn.o_proj.weight": tensor(layer.attn_output),
+            prefix + "post_attention_layernorm.weight": tensor(layer.ffn_norm),
+            prefix + "mlp.gate_proj.weight": tensor(layer.ffn_gate),
+            prefix + "mlp.up_proj.weight": tensor(layer.ffn_up),
+            prefix + "mlp.down_proj.weight": tensor(layer.ffn_down),
+        }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [name for name in missing if "rotary" not in name]:
+        message = f"llama_from_weights: the weights do not fit a LlamaForCausalLM (missing {missing}, unexpected {unexpected})"
+        raise ValueError(message)
+    return model
+
+
+def _rows_halved(rows: npt.NDArray[Any], heads: int) -> npt.NDArray[Any]:
+    """Each head's rows reordered from adjacent pairs (GGUF) to halves (transformers)."""
+    out, rest = rows.shape[0], rows.shape[1:]
+    halved: npt.NDArray[Any] = rows.reshape(heads, out // heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
+    return halved
+
+
 @dataclass(frozen=True)
 class _SessionCache:
     """A session epoch's ``DynamicCache`` and how many positions it holds."""
@@ -108,7 +175,8 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
     With no ``model`` it serves ``tiny_llama()``, so the class itself is a zero-argument
     engine target: ``shardkit fuzz shardkit.engines.transformers_llama:TransformersShardEngine``.
     ``dtype`` is the format it computes in and its boundary residual's: float32, bfloat16
-    or float16."""
+    or float16. ``tolerance`` is the absolute tolerance it declares (None: ``TOLERANCES``
+    of its dtype, measured on ``tiny_llama()``; measure your model's, docs/pytorch.md)."""
 
     ENGINE_NAME: ClassVar[str] = "TransformersShardEngine"
     EVIDENCE_CLASS: ClassVar[Literal["real"]] = "real"
@@ -123,7 +191,13 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
     TOLERANCE: ClassVar[float] = TOLERANCES["float32"]
 
     def __init__(
-        self, model: Any = None, *, dtype: str = "float32", max_sessions: int = 4, max_kv_tokens: int = 256
+        self,
+        model: Any = None,
+        *,
+        dtype: str = "float32",
+        tolerance: float | None = None,
+        max_sessions: int = 4,
+        max_kv_tokens: int = 256,
     ) -> None:
         torch = _torch()
         if dtype not in _TORCH_DTYPES:
@@ -133,6 +207,10 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
             if not is_int_at_least(value, minimum):
                 message = f"TransformersShardEngine {name} must be an int >= {minimum}, got {value!r}"
                 raise ValueError(message)
+        if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance < float("inf")):
+            message = f"TransformersShardEngine tolerance must be a finite float >= 0 or None, got {tolerance!r}"
+            raise ValueError(message)
+        self._tolerance = self.TOLERANCES[dtype] if tolerance is None else float(tolerance)
         self._torch_dtype = getattr(torch, dtype)
         self._model = (model if model is not None else tiny_llama()).to(self._torch_dtype).eval()
         config = self._model.config
@@ -149,12 +227,21 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
         self._layers: list[Any] = []
         self._role: Role | None = None
 
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], **options: Any) -> TransformersShardEngine:
+        """An engine serving the llama weights of a GGUF file, read by the kit's own reader (the
+        ``gguf`` package): transformers' GGUF loading needs the ``accelerate`` package and a
+        tokenizer in the file, which the kit's tiny files do not hold."""
+        from shardkit.engines.gguf_io import read_llama_gguf
+
+        return cls(llama_from_weights(read_llama_gguf(path)), **options)
+
     @property
     def model(self) -> Any:
         return self._model
 
     def capabilities(self) -> EngineCapabilities:
-        return replace(super().capabilities(), tolerance=self.TOLERANCES[self.spec.dtype])
+        return replace(super().capabilities(), tolerance=self._tolerance)
 
     def load_layers(self, request: LoadRequest, layers: range, role: Role) -> None:
         self._layers = [self._model.model.layers[index] for index in layers]
@@ -195,6 +282,19 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
                 logits = self._model.lm_head(self._model.model.norm(x[:, -1:]))[0, -1]
                 return advanced, _to_numpy(logits.float(), "float32")
             return advanced, _to_numpy(x[0], self.spec.dtype)
+
+
+def numpy_weights() -> TransformersShardEngine:
+    """A ``TransformersShardEngine`` on the numpy engine's default weights (the tiny GGUF's):
+    the same model as ``NumpyShardEngine()`` and llama.cpp's tiny file, for differential
+    fuzzing (``shardkit fuzz shardkit.engines.transformers_llama:numpy_weights --reference
+    shardkit.engines.numpy_llama:NumpyShardEngine``)."""
+    from shardkit.engines.numpy_llama import NumpyShardEngine, default_weights
+
+    # Residual values up to ~10, as the numpy engine's: its chunkings differ by up to 3.2e-6
+    # (200 histories of 1-96 tokens), and from the numpy engine's by 2.3e-6. The numpy
+    # engine's tolerance serves both.
+    return TransformersShardEngine(llama_from_weights(default_weights()), tolerance=NumpyShardEngine.TOLERANCE)
 
 
 def _to_torch(torch: Any, rows: npt.NDArray[Any], dtype: Any) -> Any:
