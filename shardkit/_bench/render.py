@@ -69,14 +69,15 @@ def _render_engines(engines: dict[str, Any] | str) -> list[str]:
     if isinstance(engines, str):
         return [f"engines: {engines}"]
     lines = []
-    lines.append("engines (full role, faults on):")
+    lines.append("engines (full role, and the others where it serves them; faults on):")
     for name, row in engines.items():
         if isinstance(row, str):
             lines.append(f"  {name:<10} {row}")
         else:
             found = f"; FAILURE {row['failure']}" if row["failure"] else ""
+            roles = "".join(f", {role} {rate:,.0f}" for role, rate in row.get("kit_steps_per_s_by_role", {}).items())
             lines.append(
-                f"  {name:<10} {row['kit_steps_per_s']:>8,.0f} kit steps/s, one decode step {row['decode_step_us']} µs; "
+                f"  {name:<12} {row['kit_steps_per_s']:>8,.0f} kit steps/s{roles}, one decode step {row['decode_step_us']} µs; "
                 f"longest session {row['longest_session_decodes']} decodes, "
                 f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
             )

@@ -141,7 +141,10 @@ ENGINE_TARGETS = (
     ("fake", "shardkit:FakeShardEngine"),
     ("numpy", "shardkit:NumpyShardEngine"),
     ("llama.cpp", "shardkit.engines.llama_cpp:LlamaCppShardEngine"),
+    ("transformers", "shardkit.engines.transformers_llama:TransformersShardEngine"),
 )
+#: The engines measured in every role besides full (llama.cpp serves the whole model only).
+ENGINES_IN_EVERY_ROLE = ("numpy", "transformers")
 
 
 def _decode_step_microseconds(target: str, decodes: int = 200) -> float:
@@ -174,8 +177,14 @@ def measure_engines(config: BenchSettings) -> dict[str, Any]:
             rows[name] = f"skipped: {missing}"
             continue
         run = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, role="full")
+        other_roles = [role for role in ROLES if role != "full"] if name in ENGINES_IN_EVERY_ROLE else []
+        by_role = {}
+        for role in other_roles:
+            each = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, role=role)
+            by_role[role] = round(each.steps / each.elapsed_s, 1)
         rows[name] = {
             "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
+            "kit_steps_per_s_by_role": by_role,
             "decode_step_us": _decode_step_microseconds(target),
             "failure": run.failure.violation.property if run.failure is not None else None,
             # Long histories are compared too (each by three twin paths): what that costs shows above.
