@@ -9,7 +9,8 @@ What an engine raises is not here. ``EngineError`` (``shardkit.contract``) is co
 vocabulary, raised by engines to refuse ``load`` or ``capabilities``; the bundled engines'
 simulated process deaths (``FakeEngineCrash`` in ``shardkit.engines.fake``,
 ``NumpyEngineCrash`` in ``shardkit.engines.numpy_llama``, ``LlamaCppEngineCrash`` in
-``shardkit.engines.llama_cpp``) are raised by an engine under test as any engine's own
+``shardkit.engines.llama_cpp``, ``TransformersEngineCrash`` in
+``shardkit.engines.transformers_llama``) are raised by an engine under test as any engine's own
 exception would be, and keep their engine's module in the type name a server reports.
 
 Nor are the kit's control-flow exceptions, which never reach a user: each is caught inside

@@ -40,6 +40,7 @@ ELSEWHERE = {
     "any engine under test's exception would be (a server reports it by its module-qualified name)",
     "NumpyEngineCrash": "shardkit/engines/numpy_llama.py: the bundled engine's own simulated process death",
     "LlamaCppEngineCrash": "shardkit/engines/llama_cpp.py: the bundled engine's own simulated process death",
+    "TransformersEngineCrash": "shardkit/engines/transformers_llama.py: the bundled engine's own simulated process death",
 }
 
 #: Classes of errors.py that are not ``ShardkitError``s, and why.

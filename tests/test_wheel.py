@@ -3,7 +3,7 @@ and no "Exception ignored in LlamaCppShardEngine.__del__" without the ``llama`` 
 
 The wheel is built from a copy of the sources (nothing lands in the repository), installed
 without dependencies into a fresh virtual environment (no ``grpc``, no ``llama``), which
-borrows only ``hypothesis`` and ``numpy`` (and what they import) from this environment, and
+borrows only ``hypothesis``, ``numpy`` and ``ml_dtypes`` (and what they import) from this environment, and
 runs from an empty folder so that neither the repository nor its ``tests`` is importable.
 Building the wheel needs setuptools, which pip fetches as CI's own install does.
 """
@@ -23,7 +23,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Top-level names of the runtime dependencies (and theirs) the fresh environment borrows.
-BORROWED = ("hypothesis", "_hypothesis_", "sortedcontainers", "numpy")
+BORROWED = ("hypothesis", "_hypothesis_", "sortedcontainers", "numpy", "ml_dtypes")
 
 
 def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

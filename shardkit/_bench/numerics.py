@@ -11,6 +11,7 @@ the largest top-2 margin at which the argmax flipped.
 
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType
 from typing import Any
 
@@ -72,7 +73,10 @@ def measure_numerics(config: BenchSettings) -> dict[str, Any]:
     """For each of ``NUMERICS_MODELS`` (random weights, seed 0) and ``NUMERICS_FORMATS``:
     ``config.numerics_histories`` histories of ``config.numerics_tokens`` random tokens,
     each prefilled whole and token by token."""
-    from threadpoolctl import threadpool_limits
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # an install without it (the kit's dependency, but a wheel may be put in --no-deps)
+        threadpool_limits = None
 
     figures: dict[str, Any] = {"histories": config.numerics_histories, "tokens": config.numerics_tokens, "models": {}}
     for name, model in NUMERICS_MODELS.items():
@@ -80,7 +84,7 @@ def measure_numerics(config: BenchSettings) -> dict[str, Any]:
         shards = {fmt: _shard(weights, model.n_layers, fmt) for fmt in NUMERICS_FORMATS}
         rows: dict[str, dict[str, float]] = {fmt: _empty() for fmt in NUMERICS_FORMATS}
         generator = np.random.default_rng(0)
-        with threadpool_limits(limits=1):
+        with threadpool_limits(limits=1) if threadpool_limits is not None else contextlib.nullcontext():
             for _ in range(config.numerics_histories):
                 tokens = generator.integers(0, model.vocab_size, config.numerics_tokens)
                 wide = _run(shards["float32"], shards["float32"].embedding[tokens], token_by_token=False)
