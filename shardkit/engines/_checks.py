@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,20 @@ def identity_problem(session_id: str, **counters: int) -> str | None:
 def is_int_at_least(value: object, minimum: int) -> bool:
     """For constructors' checks: an int (bool excluded, it is always a caller's mistake) >= ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_budgets(engine: str, max_sessions: object, max_kv_tokens: object, *, kv_minimum: int = 0) -> None:
+    """A bundled engine's constructor check of its two budgets: ``max_sessions`` an int >= 1,
+    ``max_kv_tokens`` an int >= ``kv_minimum``; a ValueError naming the bad one otherwise."""
+    for name, value, minimum in (("max_sessions", max_sessions, 1), ("max_kv_tokens", max_kv_tokens, kv_minimum)):
+        if not is_int_at_least(value, minimum):
+            message = f"{engine} {name} must be an int >= {minimum}, got {value!r}"
+            raise ValueError(message)
+
+
+def is_tolerance(value: object) -> bool:
+    """A tolerance as the contract takes one: a finite int or float >= 0 (bool excluded)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def shifted_clearly(values: np.ndarray[Any, Any], shift: float, relative: float = 0.0) -> np.ndarray[Any, Any]:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -88,7 +87,7 @@ from shardkit.contract import (
     StructuredStatus,
     TokenOutput,
 )
-from shardkit.engines._checks import identity_problem, is_int_at_least, refusal, shifted_clearly
+from shardkit.engines._checks import identity_problem, is_int_at_least, is_tolerance, refusal, shifted_clearly
 
 __all__ = ["EngineSpec", "Produced", "SessionEngine", "StepInput"]
 
@@ -141,10 +140,6 @@ class EngineSpec:
             if not valid:
                 message = f"EngineSpec.{name} must be {expected}, got {getattr(self, name)!r}"
                 raise ValueError(message)
-
-
-def _is_tolerance(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -285,7 +280,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             )
             raise TypeError(message)
         tolerance = getattr(self, "TOLERANCE", None)
-        if not _is_tolerance(tolerance):
+        if not is_tolerance(tolerance):
             message = (
                 f"{name}.TOLERANCE must be a finite float >= 0 (0.0: outputs are bit-exact), got {tolerance!r}; "
                 "set it as a class variable"
@@ -293,7 +288,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
             raise TypeError(message)
         for optional in ("RELATIVE_TOLERANCE", "MARGIN_TOLERANCE"):
             value = getattr(self, optional)
-            if value is not None and not _is_tolerance(value):
+            if value is not None and not is_tolerance(value):
                 message = f"{name}.{optional} must be None or a finite float >= 0, got {value!r}; set it as a class variable"
                 raise TypeError(message)
         # Calls from several threads run one at a time (``concurrent_calls``), a subclass's

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shardkit.contract import EngineError, LoadRequest, Role, StatusCode, StructuredStatus
-from shardkit.engines._checks import is_int_at_least
+from shardkit.engines._checks import check_budgets
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 
 __all__ = ["LlamaCppEngineCrash", "LlamaCppShardEngine", "numpy_reference", "tiny_gguf_path"]
@@ -116,10 +116,7 @@ class LlamaCppShardEngine(SessionEngine[_Sequence]):
     def __init__(
         self, model_path: str | os.PathLike[str] | None = None, *, max_sessions: int = 4, max_kv_tokens: int = 256
     ) -> None:
-        for name, value, minimum in (("max_sessions", max_sessions, 1), ("max_kv_tokens", max_kv_tokens, 1)):
-            if not is_int_at_least(value, minimum):
-                message = f"LlamaCppShardEngine {name} must be an int >= {minimum}, got {value!r}"
-                raise ValueError(message)
+        check_budgets("LlamaCppShardEngine", max_sessions, max_kv_tokens, kv_minimum=1)
         llama = _llama()
         self._path = Path(model_path) if model_path is not None else tiny_gguf_path()
         if not self._path.is_file():

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from shardkit._dtypes import numpy_dtype
 from shardkit._public import settle
 from shardkit.contract import LoadRequest, Role
-from shardkit.engines._checks import is_int_at_least
+from shardkit.engines._checks import check_budgets
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 from shardkit.engines.llama_weights import LlamaConfig, LlamaLayer, LlamaWeights, random_weights
 
@@ -276,10 +276,7 @@ class NumpyShardEngine(SessionEngine[_KVCache]):
         if weights is not None and not isinstance(weights, LlamaWeights):
             message = f"NumpyShardEngine weights must be LlamaWeights or None, got {type(weights).__name__}"
             raise TypeError(message)
-        for name, value, minimum in (("max_sessions", max_sessions, 1), ("max_kv_tokens", max_kv_tokens, 0)):
-            if not is_int_at_least(value, minimum):
-                message = f"NumpyShardEngine {name} must be an int >= {minimum}, got {value!r}"
-                raise ValueError(message)
+        check_budgets("NumpyShardEngine", max_sessions, max_kv_tokens)
         self._weights = weights if weights is not None else default_weights()
         config = self._weights.config
         spec = EngineSpec(

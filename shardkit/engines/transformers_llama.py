@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from shardkit._dtypes import numpy_dtype
 from shardkit.contract import EngineCapabilities, LoadRequest, Role
-from shardkit.engines._checks import is_int_at_least
+from shardkit.engines._checks import check_budgets, is_tolerance
 from shardkit.engines.base import EngineSpec, Produced, SessionEngine, StepInput
 from shardkit.engines.llama_weights import LlamaWeights
 
@@ -203,11 +203,8 @@ class TransformersShardEngine(SessionEngine[_SessionCache]):
         if dtype not in _TORCH_DTYPES:
             message = f"TransformersShardEngine dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}"
             raise ValueError(message)
-        for name, value, minimum in (("max_sessions", max_sessions, 1), ("max_kv_tokens", max_kv_tokens, 0)):
-            if not is_int_at_least(value, minimum):
-                message = f"TransformersShardEngine {name} must be an int >= {minimum}, got {value!r}"
-                raise ValueError(message)
-        if tolerance is not None and not (isinstance(tolerance, (int, float)) and 0 <= tolerance < float("inf")):
+        check_budgets("TransformersShardEngine", max_sessions, max_kv_tokens)
+        if tolerance is not None and not is_tolerance(tolerance):
             message = f"TransformersShardEngine tolerance must be a finite float >= 0 or None, got {tolerance!r}"
             raise ValueError(message)
         self._tolerance = self.TOLERANCES[dtype] if tolerance is None else float(tolerance)
