@@ -11,7 +11,9 @@ simulated process deaths (``FakeEngineCrash`` in ``shardkit.engines.fake``,
 ``NumpyEngineCrash`` in ``shardkit.engines.numpy_llama``, ``LlamaCppEngineCrash`` in
 ``shardkit.engines.llama_cpp``, ``TransformersEngineCrash`` in
 ``shardkit.engines.transformers_llama``) are raised by an engine under test as any engine's own
-exception would be, and keep their engine's module in the type name a server reports.
+exception would be, and keep their engine's module in the type name a server reports. So is
+``SchedulerClosed`` (``shardkit.engines.transformers_batching``): the batching engine's answer
+to a step queued on (or waiting in) a scheduler its ``close()`` stopped.
 
 Nor are the kit's control-flow exceptions, which never reach a user: each is caught inside
 the kit and reported as a finding or as one of the errors here.
@@ -37,6 +39,8 @@ the kit and reported as a finding or as one of the errors here.
 - ``_Budget`` (``shardkit._parallel.linearize``): the search for an order that explains a
   parallel phase visited its counted number of states; the search catches it and answers
   "unknown", which is never reported as a failure.
+- ``_CancelledMeanwhile`` (``shardkit._planted.batching``): a planted batching engine's step
+  whose session was cancelled while it ran; the engine answers it as CANCELLED.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine, machine_
 from shardkit._core.steps import PARALLEL_OP, Action
 from shardkit._machine.minimize import PHASE_RULE, _phase_at_each_edge
 from shardkit._machine.observer import Choice
-from shardkit._machine.parallel_rules import EDGE_RACES, MAX_FILL_OPENINGS, fill
+from shardkit._machine.parallel_rules import BATCH_RACE, EDGE_RACES, MAX_FILL_OPENINGS, edge_races, fill
 from shardkit._machine.state_machine import SESSION_ID_POOLS, ShardMachine
 from shardkit._planted.racy import (
     CancelOnFinalDecodePinsKv,
@@ -44,8 +44,8 @@ class TooManySlots(FakeShardEngine):
         )
 
 
-def started(engine: type[FakeShardEngine], id_pool: int = 0) -> ShardMachine:
-    machine = machine_for(engine, role="full", faults="none", concurrency=2)()
+def started(engine: type[FakeShardEngine], id_pool: int = 0, concurrency: int = 2) -> ShardMachine:
+    machine = machine_for(engine, role="full", faults="none", concurrency=concurrency)()
     machine.load_engine(layout=0, id_pool=id_pool)
     return machine
 
@@ -108,6 +108,28 @@ def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes(
         assert kinds == expected, (race, kinds)
         assert len({action.args["session"] for action in firsts}) == (1 if same else 2), (race, firsts)
         assert [len(lane) for lane in lanes] == [1, 1], (race, lanes)  # the decodes drawn before are gone
+
+    def batch_edge(drawn: int) -> list[list[Action]]:
+        """The lanes of a phase with three lanes, ``drawn`` steps drawn into them, at the batch's edge."""
+        machine = started(TwelveSlots, concurrency=3)
+        for _ in range(drawn):
+            machine.lane_decode(lane=0, session=0)
+        phases: list[list[list[Action]]] = []
+        machine._run_phase = phases.append  # type: ignore[method-assign]
+        machine.run_lanes(edge=len(EDGE_RACES) + 1)  # the batch race: with three lanes only
+        assert machine.room() == 2
+        return phases[0]
+
+    decode, other, cancel = (lane[0] for lane in batch_edge(3))  # two sessions decode, and the first is cancelled
+    assert (decode.op, other.op, cancel.op) == ("decode", "decode", "cancel")
+    assert cancel.args["session"] == decode.args["session"] != other.args["session"]
+    assert [len(lane) for lane in batch_edge(2)] == [1, 1, 0]  # the third lane held nothing: no cancel
+
+
+def test_the_batch_race_is_drawn_with_three_lanes_only() -> None:
+    """With two lanes the races are drawn as before it existed: the same seeds, the same phases."""
+    assert edge_races(2) == EDGE_RACES
+    assert edge_races(3) == (*EDGE_RACES, BATCH_RACE)
 
 
 @pytest.mark.parametrize("engine", AT_THE_EDGE, ids=lambda engine: engine.__name__)

@@ -41,6 +41,8 @@ ELSEWHERE = {
     "NumpyEngineCrash": "shardkit/engines/numpy_llama.py: the bundled engine's own simulated process death",
     "LlamaCppEngineCrash": "shardkit/engines/llama_cpp.py: the bundled engine's own simulated process death",
     "TransformersEngineCrash": "shardkit/engines/transformers_llama.py: the bundled engine's own simulated process death",
+    "SchedulerClosed": "shardkit/engines/transformers_batching.py: the bundled batching engine's answer to a step "
+    "on a closed scheduler, raised as any engine under test's exception would be",
 }
 
 #: Classes of errors.py that are not ``ShardkitError``s, and why.

@@ -81,6 +81,13 @@ def _render_engines(engines: dict[str, Any] | str) -> list[str]:
                 f"longest session {row['longest_session_decodes']} decodes, "
                 f"{row['long_session_share']:.0%} of examples with {LONG_SESSION_DECODES}+{found}"
             )
+            for lanes, batching in row.get("batching_by_lanes", {}).items():
+                failed = f"; FAILURE {batching['failure']}" if batching["failure"] else ""
+                lines.append(
+                    f"    batching, {lanes} lane(s): {batching['kit_steps_per_s']:>8,.0f} kit steps/s, "
+                    f"{batching['batches']} batches of {batching['steps_per_batch']} steps on average "
+                    f"(largest {batching['largest_batch']}){failed}"
+                )
     return lines
 
 

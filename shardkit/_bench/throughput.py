@@ -191,4 +191,35 @@ def measure_engines(config: BenchSettings) -> dict[str, Any]:
             "longest_session_decodes": max(run.longest_session, default=0),
             "long_session_share": round(long_session_share(run), 4),
         }
+    if isinstance(rows.get("transformers"), dict):
+        rows["transformers"]["batching_by_lanes"] = _batching_by_lanes(config)
     return rows
+
+
+def _batching_by_lanes(config: BenchSettings) -> dict[str, Any]:
+    """The batching transformers engine fuzzed with 1, 2 and 3 lanes of calls at once: kit
+    steps/s, and how many one-token steps its scheduler ran per batched forward."""
+    from shardkit.engines.transformers_batching import BatchingTransformersShardEngine
+
+    by_lanes: dict[str, Any] = {}
+    for lanes in (1, 2, 3):
+        engines: list[BatchingTransformersShardEngine] = []
+        built = partial(_kept, engines, BatchingTransformersShardEngine)
+        run = fuzz(built, seed=config.seed, examples=config.examples, steps=config.steps, concurrency=lanes)
+        sizes = [size for engine in engines for size in engine.batch_sizes()]
+        for engine in engines:
+            engine.close()
+        by_lanes[str(lanes)] = {
+            "kit_steps_per_s": round(run.steps / run.elapsed_s, 1),
+            "batches": len(sizes),
+            "steps_per_batch": round(sum(sizes) / len(sizes), 2) if sizes else None,
+            "largest_batch": max(sizes, default=0),
+            "failure": run.failure.violation.property if run.failure is not None else None,
+        }
+    return by_lanes
+
+
+def _kept(engines: list[Any], build: Any) -> Any:
+    """A fresh engine from ``build``, kept in ``engines`` to be read after the run."""
+    engines.append(build())
+    return engines[-1]

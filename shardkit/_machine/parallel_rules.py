@@ -30,7 +30,18 @@ from hypothesis.stateful import precondition
 from shardkit._core.steps import Action, step_action
 from shardkit._machine.state_machine import LIVE_CHOICES, MAX_CHUNK, SESSION_ID_POOLS, ShardMachine, step_rule
 
-__all__ = ["EDGE_RACES", "LANE_OPS", "MAX_CONCURRENCY", "MAX_FILL_OPENINGS", "fill", "lane_actions", "parallel_rules"]
+__all__ = [
+    "BATCH_RACE",
+    "BATCH_RACE_LANES",
+    "EDGE_RACES",
+    "LANE_OPS",
+    "MAX_CONCURRENCY",
+    "MAX_FILL_OPENINGS",
+    "edge_races",
+    "fill",
+    "lane_actions",
+    "parallel_rules",
+]
 
 #: What a lane step does, simplest first: a decode, a two-token prefill (which opens an
 #: unknown id), the opening of an id no session holds (two lanes opening race for the
@@ -59,7 +70,7 @@ LANE_LENGTH = 8
 #: reopening at the next epoch (which takes the slot the release frees, or keeps its own), and
 #: a session's decode of the last token and its restart at the next epoch (an engine that
 #: lets calls in halfway through the bump serves the decode from a cache already wiped).
-EDGE_RACES = (
+EDGE_RACES: tuple[tuple[Any, ...], ...] = (
     ("slots", 1, "open", "open", False),
     ("tokens", 1, "decode", "decode", False),
     ("tokens", 1, "decode", "cancel", True),
@@ -68,6 +79,22 @@ EDGE_RACES = (
     ("slots", 0, "restart", "release", True),
     ("tokens", 1, "decode", "restart", True),
 )
+#: One more race with three lanes or more (after ``EDGE_RACES``, whose draws with two lanes
+#: it leaves as they were): two tokens are left, and two sessions of different lengths (the
+#: fill's) decode at once and are both served, the batch of two a batching scheduler makes.
+#: Its sixth item is a third lane's step, on the first step's session, made when the third
+#: lane held a step drawn before (so shrinking drops it by deleting that step): a cancel
+#: while the batch is formed, where a scheduler may give the rows to the wrong sessions.
+BATCH_RACE: tuple[Any, ...] = ("tokens", 2, "decode", "decode", False, "cancel")
+#: The lanes the batch race needs: two decodes and a cancel.
+BATCH_RACE_LANES = 3
+
+
+def edge_races(concurrency: int) -> tuple[tuple[Any, ...], ...]:
+    """The races at the edge of capacity a phase of ``concurrency`` lanes may start with."""
+    return (*EDGE_RACES, BATCH_RACE) if concurrency >= BATCH_RACE_LANES else EDGE_RACES
+
+
 #: The most sessions one fill opens: an engine with more slots than this (plus those already
 #: held) is not filled to its last one, and its slot edge is not reached.
 MAX_FILL_OPENINGS = 256
@@ -202,14 +229,18 @@ def _ramp(machine: ShardMachine, length: int) -> tuple[int, ...]:
     return tuple(index * 3 % vocab for index in range(length))
 
 
-def _race_at_edge(machine: ShardMachine, race: int) -> None:
-    """Make the lanes hold the two steps of ``EDGE_RACES[race]`` alone, one in lane 0 and one
-    in lane 1: the steps drawn into the lanes before would run first or after them, and
-    take, free or hide what they race for (a release after the cancel that leaked, say)."""
-    _, _, op, other, same = EDGE_RACES[race]
+def _race_at_edge(machine: ShardMachine, race: tuple[Any, ...]) -> None:
+    """Make the lanes hold the two steps of ``race`` (of ``edge_races``) alone, one in lane 0
+    and one in lane 1 (and its third, if it has one, in lane 2 if that held a step): the steps
+    drawn into the lanes before would run first or after them, and take, free or hide what
+    they race for (a release after the cancel that leaked, say)."""
+    _, _, op, other, same, *third = race
+    with_third = bool(third) and len(machine._lanes) > 2 and bool(machine._lanes[2])
     machine._lanes[:] = [[] for _ in machine._lanes]
     machine._lanes[0].append((LANE_OPS.index(op), 0, 0))
     machine._lanes[1].append((LANE_OPS.index(other), 0, 0 if same else 1))
+    if with_third:
+        machine._lanes[2].append((LANE_OPS.index(third[0]), 0, 0))
 
 
 def _add(machine: ShardMachine, lane: int, op: int, session: int, offset: int | None = None) -> None:
@@ -255,18 +286,21 @@ def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Call
         _add(self, 0, op, session, 0)
         _add(self, 0, other, session, 0)
 
+    races = edge_races(concurrency)
+
     @precondition(_ready)
-    @step_rule(edge=st.integers(0, len(EDGE_RACES)))
+    @step_rule(edge=st.integers(0, len(races)))
     def run_lanes(self: ShardMachine, edge: int = 0) -> None:
         """Send every lane to the engine at the same time (two lanes hold steps at least, and
         no injected fault waits for a call: a lane's call would take it at random): the
         example's last steps. ``edge`` past 0 starts the phase with the race
-        ``EDGE_RACES[edge - 1]`` at the edge of the engine's capacity (``_race_at_edge``)."""
+        ``edge_races(concurrency)[edge - 1]`` at the edge of the engine's capacity
+        (``_race_at_edge``)."""
         if not _ready(self):  # the minimiser replays rules without their preconditions
             return
         if edge:
-            what, left, _, _, same = EDGE_RACES[edge - 1]
-            _race_at_edge(self, edge - 1)
+            what, left, _, _, same, *_ = races[edge - 1]
+            _race_at_edge(self, races[edge - 1])
             fill(self, what, left, 1 if same else 2)
         self._run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self._lanes)])
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from shardkit._core.lane_context import in_parallel_phase, set_lane_clock, yield_point
 from shardkit._parallel.linearize import TimedStep
 from shardkit._public import settle
 
@@ -46,7 +47,6 @@ YIELD_POINT_SECONDS = 0.05
 #: and needs nothing, so it comes in as soon as it is scheduled.
 LANES_IN_CALL_SECONDS = 10.0
 
-_lane = threading.local()
 _LEADS = itertools.count()
 
 
@@ -66,6 +66,7 @@ class _Clock:
         self._running = lanes
         self._between_calls = lanes  # running lanes not inside a call
         self._yielding = 0  # lanes waiting in a yield point
+        self._meetings = 0  # times every running lane was in a yield point at once
         self._changed = threading.Condition()
 
     def tick(self, *, answered: bool = False) -> int:
@@ -89,32 +90,18 @@ class _Clock:
         windows before this one closes, however late a busy machine schedules them."""
         with self._changed:
             self._changed.wait_for(lambda: self._between_calls <= 0, LANES_IN_CALL_SECONDS)
-            answers = self._answers
+            answers, meetings = self._answers, self._meetings
             self._yielding += 1
+            # The last lane in makes a meeting: the others may wake after it has left again.
+            self._meetings += self._yielding >= self._running
             self._changed.notify_all()
             try:
                 self._changed.wait_for(
-                    lambda: self._answers != answers or self._yielding >= self._running, YIELD_POINT_SECONDS
+                    lambda: self._answers != answers or self._meetings != meetings or self._yielding >= self._running,
+                    YIELD_POINT_SECONDS,
                 )
             finally:
                 self._yielding -= 1
-
-
-def in_parallel_phase() -> bool:
-    """Whether the calling thread runs a lane of a parallel phase."""
-    return getattr(_lane, "clock", None) is not None
-
-
-def yield_point() -> None:
-    """Give the other lanes of a parallel phase a turn: called by an engine inside a
-    critical section (between reading shared state and writing it back), it waits until
-    the other lanes are inside a call and one of them has answered or reached a yield
-    point too, so a race there shows on every run where their calls meet, not once in
-    many. It does nothing outside a parallel phase, and costs nothing to leave in an
-    engine: a sequential run, a server and production never wait in it."""
-    clock = getattr(_lane, "clock", None)
-    if clock is not None:
-        clock.wait_for_an_answer()
 
 
 def run_lanes(
@@ -128,7 +115,7 @@ def run_lanes(
     results: list[list[TimedStep[T | Raised[T]]]] = [[] for _ in lanes]
 
     def run(lane: int) -> None:
-        _lane.clock = clock
+        set_lane_clock(clock)
         try:
             barrier.wait()
             for index, call in enumerate(lanes[lane]):
@@ -141,7 +128,7 @@ def run_lanes(
                 results[lane].append(TimedStep(lane, index, started, clock.tick(answered=True), answer))
         finally:
             clock.lane_done()
-            del _lane.clock
+            set_lane_clock(None)
 
     threads = [threading.Thread(target=run, args=(lane,), name=f"shardkit-lane-{lane}") for lane in range(len(lanes))]
     # The thread that reaches the barrier last runs on at once while the others wake up, so
