@@ -37,13 +37,13 @@ from shardkit._version import __version__ as __version__
 if TYPE_CHECKING:
     from shardkit._core.conformance import assert_shard_engine_contract as assert_shard_engine_contract
     from shardkit._core.driver import CustomOp as CustomOp
+    from shardkit._core.lane_context import yield_point as yield_point
     from shardkit._core.model import Prediction as Prediction
     from shardkit._core.model import ReferenceModel as ReferenceModel
     from shardkit._core.model import SessionState as SessionState
     from shardkit._core.steps import Action as Action
     from shardkit._machine.state_machine import ShardMachine as ShardMachine
     from shardkit._machine.state_machine import step_rule as step_rule
-    from shardkit._parallel.lanes import yield_point as yield_point
     from shardkit._run.options import FuzzOptions as FuzzOptions
     from shardkit._run.replay import PreparedReplay as PreparedReplay
     from shardkit._run.replay import prepare_replay as prepare_replay

@@ -120,10 +120,9 @@ def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes(
         assert machine.room() == 2
         return phases[0]
 
-    decode, other, cancel = (lane[0] for lane in batch_edge(3))  # two sessions decode, and the first is cancelled
+    decode, other, cancel = (lane[0] for lane in batch_edge(2))  # two sessions decode, and the first is cancelled
     assert (decode.op, other.op, cancel.op) == ("decode", "decode", "cancel")
     assert cancel.args["session"] == decode.args["session"] != other.args["session"]
-    assert [len(lane) for lane in batch_edge(2)] == [1, 1, 0]  # the third lane held nothing: no cancel
 
 
 def test_the_batch_race_is_drawn_with_three_lanes_only() -> None:

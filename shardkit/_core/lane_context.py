@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from shardkit._public import settle
+
 __all__ = ["LaneClock", "in_parallel_phase", "set_lane_clock", "yield_point"]
 
 
@@ -40,3 +42,6 @@ def yield_point() -> None:
     clock: LaneClock | None = getattr(_lane, "clock", None)
     if clock is not None:
         clock.wait_for_an_answer()
+
+
+settle(__name__, globals())
