@@ -232,9 +232,9 @@ def _ramp(machine: ShardMachine, length: int) -> tuple[int, ...]:
 
 def _race_at_edge(machine: ShardMachine, race: tuple[Any, ...]) -> None:
     """Make the lanes hold the two steps of ``race`` (of ``edge_races``) alone, one in lane 0
-    and one in lane 1 (and its third, if it has one, in lane 2): the steps
-    drawn into the lanes before would run first or after them, and take, free or hide what
-    they race for (a release after the cancel that leaked, say)."""
+    and one in lane 1 (and its third, if it has one, in lane 2): the steps drawn into the
+    lanes before would run first or after them, and take, free or hide what they race for
+    (a release after the cancel that leaked, say)."""
     _, _, op, other, same, *third = race
     machine._lanes[:] = [[] for _ in machine._lanes]
     machine._lanes[0].append((LANE_OPS.index(op), 0, 0))

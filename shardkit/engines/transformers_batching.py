@@ -105,8 +105,11 @@ class _Batches:
             yield
         finally:
             self._count(-1)
-            with self.changed:
-                self.changed.notify_all()
+            # Only a scheduler with steps queued waits for the door to empty: waking an idle
+            # one costs each call a thread switch.
+            if self.pending:
+                with self.changed:
+                    self.changed.notify_all()
 
     @contextmanager
     def away(self) -> Iterator[None]:
