@@ -86,8 +86,9 @@ class _Clock:
     def wait_for_an_answer(self) -> None:
         """Called inside a call: first until every other running lane is inside a call too,
         then until one of them answers, or all of them wait in a yield point too (or have, all at
-        once, since this one came in), or they have finished (at most ``YIELD_POINT_SECONDS``). So the other lanes' calls reach their own
-        windows before this one closes, however late a busy machine schedules them."""
+        once, since this one came in), or they have finished (at most ``YIELD_POINT_SECONDS``).
+        So the other lanes' calls reach their own windows before this one closes, however late a
+        busy machine schedules them."""
         with self._changed:
             self._changed.wait_for(lambda: self._between_calls <= 0, LANES_IN_CALL_SECONDS)
             answers, meetings = self._answers, self._meetings
