@@ -26,6 +26,7 @@ if os.environ.get("SHARDKIT_REQUIRE_TRANSFORMERS") != "1":
     pytest.importorskip("transformers", reason="transformers is not installed: pip install 'shardkit[transformers]'")
 
 from shardkit._planted.batching import BATCHING_PLANTED, BatchTakesTheFirstRowsPosition, CancelShiftsTheBatchsRows
+from shardkit.engines import transformers_batching
 from shardkit.engines.transformers_batching import BatchingTransformersShardEngine, SchedulerClosed
 from shardkit.engines.transformers_llama import TransformersShardEngine
 
@@ -214,7 +215,10 @@ def test_the_planted_cancel_lands_in_the_batch_and_shifts_the_rows_after_it() ->
     planted.close()
 
 
-def test_the_scheduler_thread_stops_on_close_when_dropped_and_with_with() -> None:
+def test_the_scheduler_thread_stops_on_close_when_dropped_and_with_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Idle threads end on their own after IDLE_POLL_SECONDS: kept waiting here, so that only
+    # the close, the with and the collection can end them.
+    monkeypatch.setattr(transformers_batching, "IDLE_POLL_SECONDS", 600.0)
     before = len(_schedulers())
     engine = _loaded(BatchingTransformersShardEngine())
     _opened(engine, {"a": 1})
@@ -232,6 +236,19 @@ def test_the_scheduler_thread_stops_on_close_when_dropped_and_with_with() -> Non
     del dropped
     gc.collect()
     _until(lambda: len(_schedulers()) == before)
+
+
+def test_an_idle_scheduler_thread_ends_while_its_engine_lives_and_a_step_starts_another() -> None:
+    """An engine the collector has not reached yet (the kit drops them by the hundred, some
+    in reference cycles) holds no thread once it has been idle."""
+    before = len(_schedulers())
+    engine = _loaded(BatchingTransformersShardEngine())
+    _opened(engine, {"a": 1})
+    assert engine.decode(DecodeRequest("a", 0, 1, token_ids=(2,))).status.ok
+    _until(lambda: len(_schedulers()) == before)
+    assert engine.decode(DecodeRequest("a", 0, 2, token_ids=(3,))).status.ok
+    assert engine.batch_sizes() == [1, 1]
+    engine.close()
 
 
 def test_a_step_queued_when_the_engine_closes_fails_with_scheduler_closed() -> None:

@@ -21,10 +21,14 @@ which steps share a forward, never an answer: a row's values depend on its sessi
 history alone (within the engine's tolerance: PyTorch's kernels may sum in another order
 for another batch size).
 
-The scheduler thread starts with the first queued step, and stops when the engine is
-closed (``close()``, or ``with engine:``), within ``IDLE_POLL_SECONDS`` of the engine being
-garbage-collected, and when the interpreter's main thread ends, so an engine dropped
-without ``close()`` leaves no thread.
+The scheduler thread starts with a queued step and ends once nothing has been queued for
+``IDLE_POLL_SECONDS`` (the next step starts it again); it also stops when the engine is
+closed (``close()``, or ``with engine:``), garbage-collected, or when the interpreter's
+main thread ends. An engine dropped without ``close()`` thus leaves no thread, however
+long the collector takes to reach it: the kit drops engines by the hundred (a fresh one for
+each run of a phase), and engines in reference cycles wait for the collector's oldest
+generation, which at one seed left 253 scheduler threads alive until the process could
+start no more.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ __all__ = ["BatchingTransformersShardEngine", "SchedulerClosed"]
 
 #: How long the scheduler waits, by default, for a call in the door to queue its step.
 GATHER_SECONDS = 0.01
-#: How often an idle scheduler looks whether the interpreter is ending.
+#: How long an idle scheduler thread waits for a step before it ends.
 IDLE_POLL_SECONDS = 0.2
 
 
@@ -170,9 +174,11 @@ class _Batches:
                 self.changed.notify_all()
 
     def _next_batch(self) -> list[_Job] | None:
-        """The steps to run next (None: stop), once every call in the door has queued its
-        step or left, the batch is full, or ``gather_seconds`` passed since the first."""
+        """The steps to run next (None: end the thread), once every call in the door has
+        queued its step or left, the batch is full, or ``gather_seconds`` passed since the
+        first."""
         first_queued: float | None = None
+        idle = False
         while True:
             if self.stopping or not threading.main_thread().is_alive():
                 self.stopping = True
@@ -182,9 +188,13 @@ class _Batches:
                 self.changed.notify_all()
                 return None
             if not self.pending:
-                first_queued = None
+                if idle:
+                    self.thread = None  # submit starts another, under this lock
+                    return None
+                first_queued, idle = None, True
                 self.changed.wait(IDLE_POLL_SECONDS)
                 continue
+            idle = False
             first_queued = time.monotonic() if first_queued is None else first_queued
             waited = time.monotonic() - first_queued
             if self.arriving <= 0 or len(self.pending) >= self.max_batch or waited >= self.gather_seconds:
