@@ -31,8 +31,12 @@ __all__ = ["BATCHING_PLANTED", "BatchTakesTheFirstRowsPosition", "CancelShiftsTh
 
 #: Turns a cancel of ``CancelShiftsTheBatchsRows`` gives the other lanes for its session's
 #: step to be queued (each a ``yield_point``: 50 ms at most), and the gather time that keeps
-#: the batch waiting for it meanwhile (a call in the door holds the batch that long at most).
-WINDOW_TURNS = 2
+#: a batch waiting for the calls in the door (a call in the door holds the batch that long at
+#: most): both planted engines gather for it, so that on a busy machine, where a lane may
+#: take more than the default 10 ms to queue its step, the steps of a phase still share a
+#: batch (with 10 ms and two turns, both bugs were missed at seed 1 on a machine running
+#: three processes for its two cores, and found at once on an idle one).
+WINDOW_TURNS = 8
 WINDOW_GATHER_SECONDS = 1.0
 
 
@@ -47,6 +51,9 @@ class BatchTakesTheFirstRowsPosition(BatchingTransformersShardEngine):
     ENGINE_NAME: ClassVar[str] = "BatchTakesTheFirstRowsPosition"
     BUG: ClassVar[str] = "a batch's rows take the rotary position of its first row's session, not their own"
     FORWARD = _FirstRowsPosition
+
+    def __init__(self, model: Any = None, *, gather_seconds: float = WINDOW_GATHER_SECONDS, **options: Any) -> None:
+        super().__init__(model, gather_seconds=gather_seconds, **options)
 
 
 class _CancelledMeanwhile(Exception):
