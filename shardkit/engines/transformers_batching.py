@@ -178,7 +178,7 @@ class _Batches:
         queued its step or left, the batch is full, or ``gather_seconds`` passed since the
         first."""
         first_queued: float | None = None
-        idle = False
+        idle_since: float | None = None
         while True:
             if self.stopping or not threading.main_thread().is_alive():
                 self.stopping = True
@@ -188,13 +188,15 @@ class _Batches:
                 self.changed.notify_all()
                 return None
             if not self.pending:
-                if idle:
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= IDLE_POLL_SECONDS:
                     self.thread = None  # submit starts another, under this lock
                     return None
-                first_queued, idle = None, True
-                self.changed.wait(IDLE_POLL_SECONDS)
+                first_queued = None
+                self.changed.wait(IDLE_POLL_SECONDS - (now - idle_since))
                 continue
-            idle = False
+            idle_since = None
             first_queued = time.monotonic() if first_queued is None else first_queued
             waited = time.monotonic() - first_queued
             if self.arriving <= 0 or len(self.pending) >= self.max_batch or waited >= self.gather_seconds:
