@@ -118,7 +118,7 @@ def lane_actions(machine: ShardMachine, lane: int, drawn: list[tuple[int, int, i
     the same step)."""
     actions: list[Action] = []
     for op, choice, offset in drawn:
-        name = _op_name(op)
+        name = LANE_OPS[op] if op < len(LANE_OPS) else _MORE_OFTEN[op - len(LANE_OPS)]
         opening = name == "open"
         if opening:
             unknown = _unknown_ids(machine, LANE_LENGTH * len(machine._lanes))
@@ -230,10 +230,6 @@ def _ramp(machine: ShardMachine, length: int) -> tuple[int, ...]:
     return tuple(index * 3 % vocab for index in range(length))
 
 
-def _op_name(op: int) -> str:
-    return LANE_OPS[op] if op < len(LANE_OPS) else _MORE_OFTEN[op - len(LANE_OPS)]
-
-
 def _race_at_edge(machine: ShardMachine, race: tuple[Any, ...]) -> None:
     """Make the lanes hold the two steps of ``race`` (of ``edge_races``) alone, one in lane 0
     and one in lane 1 (and its third, if it has one, in lane 2): the steps drawn into the
@@ -297,19 +293,14 @@ def parallel_rules(concurrency: int, base: type[ShardMachine]) -> dict[str, Call
     def run_lanes(self: ShardMachine, edge: int = 0) -> None:
         """Send every lane to the engine at the same time (two lanes hold steps at least, and
         no injected fault waits for a call: a lane's call would take it at random): the
-        example's last steps. ``edge`` past 0 starts the phase at the edge of the engine's
-        capacity (``_race_at_edge``), with the race of ``edge_races(concurrency)`` that
-        ``edge`` names counted on from the number of steps the lanes hold. (Named by
-        ``edge`` alone, races came in clumps: Hypothesis makes many of its examples by
-        copying choices within an example it ran, which leaves ``edge`` as it was, and at
-        one seed 77 phases at the edge held six races and never the seventh. The copies
-        change the lanes' length, and each edge still names each race once.)"""
+        example's last steps. ``edge`` past 0 starts the phase with the race
+        ``edge_races(concurrency)[edge - 1]`` at the edge of the engine's capacity
+        (``_race_at_edge``)."""
         if not _ready(self):  # the minimiser replays rules without their preconditions
             return
         if edge:
-            race = races[(edge - 1 + sum(len(lane) for lane in self._lanes)) % len(races)]
-            what, left, _, _, same, *_ = race
-            _race_at_edge(self, race)
+            what, left, _, _, same, *_ = races[edge - 1]
+            _race_at_edge(self, races[edge - 1])
             fill(self, what, left, 1 if same else 2)
         self._run_phase([lane_actions(self, lane, drawn) for lane, drawn in enumerate(self._lanes)])
 
