@@ -34,8 +34,7 @@ __all__ = ["BATCHING_PLANTED", "BatchTakesTheFirstRowsPosition", "CancelShiftsTh
 #: a batch waiting for the calls in the door (a call in the door holds the batch that long at
 #: most): both planted engines gather for it, so that on a busy machine, where a lane may
 #: take more than the default 10 ms to queue its step, the steps of a phase still share a
-#: batch (with 10 ms and two turns, both bugs were missed at seed 1 on a machine running
-#: three processes for its two cores, and found at once on an idle one).
+#: batch (with 10 ms and two turns, a phase on a busy machine could make no batch).
 WINDOW_TURNS = 8
 WINDOW_GATHER_SECONDS = 1.0
 

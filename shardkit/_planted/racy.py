@@ -307,8 +307,8 @@ class LastTokensCheckThenAct(RacyEngine):
 
     RACE = "reads the free KV tokens, then runs the step against that reading: two steps both take the last tokens"
     #: A session prefilled to all but one free KV token, then its decode and the opening of
-    #: another session at once (the kit found it so at 4 seeds of 25; at the others, with
-    #: two sessions opened first, one step longer).
+    #: another session at once (the kit found it so at seed 10 of seeds 1 to 25; at most
+    #: others with two sessions opened first, one step longer).
     MINIMUM = (2, 2)
 
     def __init__(self) -> None:
