@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 
 from shardkit import FakeShardEngine, NumpyShardEngine, PipelineEngine, machine_for
 from shardkit._core.steps import PARALLEL_OP, Action
+from shardkit._machine import parallel_rules
 from shardkit._machine.minimize import PHASE_RULE, _phase_at_each_edge
 from shardkit._machine.observer import Choice
 from shardkit._machine.parallel_rules import BATCH_RACE, EDGE_RACES, MAX_FILL_OPENINGS, edge_races, fill
@@ -87,8 +89,14 @@ def test_a_fill_of_tokens_leaves_what_it_is_asked_to_in_as_few_steps_as_it_can(s
     assert (machine.room(), len(served(machine)), len(machine._driver.records)) == (left, 1, 2)
 
 
+def edge_naming(race: int, held: int) -> int:
+    """The ``edge`` of ``run_lanes`` that starts ``EDGE_RACES[race]`` when the lanes hold
+    ``held`` steps: edges count the races on from the lanes' length."""
+    return (race - held) % len(EDGE_RACES) + 1
+
+
 def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes() -> None:
-    for race, (what, left, op, other, same) in enumerate(EDGE_RACES, start=1):
+    for race, (what, left, op, other, same) in enumerate(EDGE_RACES):
         machine = started(TwelveSlots)
         machine.lane_decode(lane=0, session=0)
         machine.lane_decode(lane=0, session=0)
@@ -98,7 +106,7 @@ def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes(
             seen.update(lanes=lanes, slots=12 - len(machine.sessions), tokens=machine.room())
 
         machine._run_phase = starts  # type: ignore[method-assign]
-        machine.run_lanes(edge=race)
+        machine.run_lanes(edge=edge_naming(race, 2))
         assert seen[what] == left, (race, seen)
         lanes = seen["lanes"]
         assert isinstance(lanes, list)
@@ -120,9 +128,35 @@ def test_a_phase_at_the_edge_starts_at_it_with_its_two_calls_alone_in_two_lanes(
         assert machine.room() == 2
         return phases[0]
 
-    decode, other, cancel = (lane[0] for lane in batch_edge(2))  # two sessions decode, and the first is cancelled
-    assert (decode.op, other.op, cancel.op) == ("decode", "decode", "cancel")
-    assert cancel.args["session"] == decode.args["session"] != other.args["session"]
+    for drawn in (2, 3):  # the batch race keeps its edge, however many steps the lanes hold
+        decode, other, cancel = (lane[0] for lane in batch_edge(drawn))  # two sessions decode, the first is cancelled
+        assert (decode.op, other.op, cancel.op) == ("decode", "decode", "cancel")
+        assert cancel.args["session"] == decode.args["session"] != other.args["session"]
+
+
+def test_each_edge_names_each_race_once_counted_on_from_the_lanes_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis makes many examples by copying choices within one it ran, ``edge`` with
+    them: the race an edge names moves on with each step the lanes hold, so copies that
+    lengthen the lanes reach other races, and at any length every race has its edge."""
+    races: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(parallel_rules, "_race_at_edge", lambda machine, race: races.append(race))
+
+    def race_started(edge: int, held: int, concurrency: int = 2) -> tuple[Any, ...]:
+        machine = started(TwelveSlots, concurrency=concurrency)
+        for _ in range(held):
+            machine.lane_decode(lane=0, session=0)
+        machine._run_phase = lambda lanes: None  # type: ignore[method-assign]
+        machine.run_lanes(edge=edge)
+        return races[-1]
+
+    for held in (2, 3, 9):
+        named = [race_started(edge_naming(race, held), held) for race in range(len(EDGE_RACES))]
+        assert named == list(EDGE_RACES), held
+    assert race_started(1, 3) == EDGE_RACES[3] != race_started(1, 2) == EDGE_RACES[2]
+    for held in (2, 3):
+        named = [race_started(edge, held, concurrency=3) for edge in range(1, len(EDGE_RACES) + 2)]
+        assert sorted(named, key=str) == sorted(edge_races(3), key=str), held
+        assert named[-1] == BATCH_RACE, held
 
 
 def test_the_batch_race_is_drawn_with_three_lanes_only() -> None:

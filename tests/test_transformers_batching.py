@@ -216,10 +216,10 @@ def test_the_planted_cancel_lands_in_the_batch_and_shifts_the_rows_after_it() ->
 
 
 def test_the_scheduler_thread_stops_on_close_when_dropped_and_with_with(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Idle threads end on their own after IDLE_POLL_SECONDS: kept waiting here, so that only
+    # Idle threads end on their own after IDLE_THREAD_SECONDS: kept waiting here, so that only
     # the close and the with can end them (a dropped engine's thread looks at its flag when
     # it wakes, so the collection is checked with the idle time as it is).
-    monkeypatch.setattr(transformers_batching, "IDLE_POLL_SECONDS", 600.0)
+    monkeypatch.setattr(transformers_batching, "IDLE_THREAD_SECONDS", 600.0)
     before = len(_schedulers())
     engine = _loaded(BatchingTransformersShardEngine())
     _opened(engine, {"a": 1})

@@ -22,7 +22,7 @@ history alone (within the engine's tolerance: PyTorch's kernels may sum in anoth
 for another batch size).
 
 The scheduler thread starts with a queued step and ends once nothing has been queued for
-``IDLE_POLL_SECONDS`` (the next step starts it again); it also stops when the engine is
+``IDLE_THREAD_SECONDS`` (the next step starts it again); it also stops when the engine is
 closed (``close()``, or ``with engine:``), garbage-collected, or when the interpreter's
 main thread ends. An engine dropped without ``close()`` thus leaves no thread, however
 long the collector takes to reach it: the kit drops engines by the hundred (a fresh one for
@@ -57,8 +57,9 @@ __all__ = ["BatchingTransformersShardEngine", "SchedulerClosed"]
 
 #: How long the scheduler waits, by default, for a call in the door to queue its step.
 GATHER_SECONDS = 0.01
-#: How long an idle scheduler thread waits for a step before it ends.
-IDLE_POLL_SECONDS = 0.2
+#: How long the scheduler thread lives with nothing queued (and the longest it waits between
+#: two looks at whether the engine was closed or dropped).
+IDLE_THREAD_SECONDS = 0.2
 
 
 class SchedulerClosed(RuntimeError):
@@ -141,7 +142,7 @@ class _Batches:
             self.changed.wait_for(lambda: job.done)
 
     def abandon(self) -> None:
-        """Stop the thread at its next look (within ``IDLE_POLL_SECONDS``): what the garbage
+        """Stop the thread at its next look (within ``IDLE_THREAD_SECONDS``): what the garbage
         collector calls, anywhere and while any lock is held, so it takes no lock itself and
         waits for nothing. (A join there deadlocked: the collector ran in a starting thread
         that held the lock the scheduler's own exit takes.)"""
@@ -190,11 +191,11 @@ class _Batches:
             if not self.pending:
                 now = time.monotonic()
                 idle_since = now if idle_since is None else idle_since
-                if now - idle_since >= IDLE_POLL_SECONDS:
+                if now - idle_since >= IDLE_THREAD_SECONDS:
                     self.thread = None  # submit starts another, under this lock
                     return None
                 first_queued = None
-                self.changed.wait(IDLE_POLL_SECONDS - (now - idle_since))
+                self.changed.wait(IDLE_THREAD_SECONDS - (now - idle_since))
                 continue
             idle_since = None
             first_queued = time.monotonic() if first_queued is None else first_queued
@@ -202,7 +203,7 @@ class _Batches:
             if self.arriving <= 0 or len(self.pending) >= self.max_batch or waited >= self.gather_seconds:
                 batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
                 return batch
-            self.changed.wait(min(self.gather_seconds - waited, IDLE_POLL_SECONDS))
+            self.changed.wait(min(self.gather_seconds - waited, IDLE_THREAD_SECONDS))
 
 
 class _BatchedForward:
