@@ -451,6 +451,14 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_qui
         figures["out_of_process"]["grpc, faults all"]["slower_min"]
         <= figures["out_of_process"]["grpc, faults all"]["slower"]
     )
+    for faults in ("all", "none"):
+        # A step is at least one call of the engine under test, in process and out of it.
+        in_process = figures["out_of_process"][f"in-process, faults {faults}"]
+        assert (in_process["round_trips_per_step"], in_process["engine_calls_per_step"] >= 1) == (0.0, True)
+        for mode in ("grpc", "isolated"):
+            out = figures["out_of_process"][f"{mode}, faults {faults}"]
+            assert out["round_trips_per_step"] >= 1, (mode, faults, out)
+            assert len(out["round_trips_per_step_by_round"]) == 2
     memory = figures["memory"]
     assert set(memory) >= {"10", "50"}, memory
     assert memory["steps"] == 10
@@ -475,7 +483,13 @@ def test_bench_tables_show_every_section_the_bench_measured(bench_json_quick: st
     assert re.search(rf"^  numpy +{role_rates}", table, re.MULTILINE), table
     assert "out of process (fake, same seed: the same steps; modes interleaved, medians of 2 rounds):" in table
     assert re.search(
-        r"^  isolated, faults all +[\d,]+ steps/s  x\d+\.\d slower \(x\d+\.\d-x\d+\.\d\)  \(\d+ steps, \d+ worker",
+        r"^  isolated, faults all +[\d,]+ steps/s  x\d+\.\d slower \(x\d+\.\d-x\d+\.\d\)  \d+\.\d\d round trips a step  "
+        r"\(\d+ steps, \d+ worker",
+        table,
+        re.MULTILINE,
+    ), table
+    assert re.search(
+        r"^  in-process, faults all +[\d,]+ steps/s  \d+\.\d\d engine calls a step, no round trip  \(\d+ steps\)$",
         table,
         re.MULTILINE,
     ), table
@@ -597,6 +611,11 @@ def test_bench_reports_each_planted_engine_of_a_module_at_each_seed(capsys: pyte
             assert run["shrunk_length"] == 1, run
             assert run["random_walk_length"] >= run["shrunk_length"]
             assert run["examples_to_first_failure"] >= 1
+            # The time to the minimised failure is the run's: to the first failure, then shrinking.
+            assert run["seconds_to_minimal_failure"] >= run["seconds_to_first_failure"] > 0
+            assert run["seconds_to_minimal_failure"] == pytest.approx(
+                run["seconds_to_first_failure"] + run["seconds_shrinking"], abs=0.002
+            )
     assert [row["caught_by_contract"] for row in rows] == [False, False]
 
 
@@ -606,7 +625,7 @@ def test_bench_prints_the_planted_table_with_one_length_per_seed(capsys: pytest.
     assert main([*arguments, "--planted-seeds", "3"]) == 0
     table = capsys.readouterr().out
     assert "planted bugs at 3 seeds" in table
-    assert re.search(r"FailedCallsNotCounted +3/3 +1  1 1 1 ", table), table
+    assert re.search(r"FailedCallsNotCounted +3/3 +1  1 1 1 +\d+\.\d+ +\d+\.\d+ +- *$", table, re.MULTILINE), table
     assert "found at every seed 2/2 engines; of 6 runs found 6, at the minimum 6 (100 %)" in table
 
 

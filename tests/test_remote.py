@@ -819,6 +819,28 @@ def test_metrics_right_after_a_step_come_with_it_and_are_exactly_the_engines(
     assert rpcs[-1] == "Metrics"
 
 
+def test_round_trips_counts_every_call_sent_and_none_answered_ahead(
+    served: Callable[..., EngineServer], rpcs: list[str]
+) -> None:
+    """What ``shardkit bench`` divides by a run's steps: the calls sent over every connection,
+    a metrics() answered with its step's answer not among them, an old server's CloseEngine
+    calls among them."""
+    server = served()
+    before = transport_client.round_trips()
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    engine.prefill(PrefillRequest("a", 0, 0, token_ids=(1, 2)))
+    engine.metrics()
+    for step in range(1, 4):
+        engine.decode(DecodeRequest("a", 0, step, token_ids=(step,)))
+        engine.metrics()  # answered ahead: no call
+    engine.health()
+    engine.close()
+    sent = ["Handshake", "NewEngine", "Load", "Prefill", "Metrics", "Decode", "Decode", "Decode", "Health"]
+    assert rpcs == [*sent, "CloseEngine"]
+    assert transport_client.round_trips() - before == len(rpcs)
+
+
 def test_metrics_right_after_a_cancel_release_or_fault_come_with_it_too(
     served: Callable[..., EngineServer], rpcs: list[str]
 ) -> None:

@@ -14,6 +14,20 @@ from typing import Any
 from shardkit._bench import timing
 from shardkit._bench.settings import BenchSettings
 from shardkit._run.runner import fuzz
+from shardkit.contract import (
+    DecodeRequest,
+    EngineCapabilities,
+    Fault,
+    HealthResult,
+    LoadRequest,
+    LoadResult,
+    MetricsResult,
+    PrefillRequest,
+    ShardEngine,
+    StepResult,
+    StructuredStatus,
+)
+from shardkit.engines.fake import FakeShardEngine
 
 __all__ = ["OUT_OF_PROCESS_MODES", "measure_out_of_process"]
 
@@ -35,15 +49,22 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     rows: dict[str, Any] = {}
     for faults in ("all", "none"):
         workers: list[int] = []
-        run = partial(_fuzz_out_of_process, config, faults, workers)
+        trips: dict[str, list[int]] = {mode: [] for mode in OUT_OF_PROCESS_MODES}
+        run = partial(_fuzz_out_of_process, config, faults, workers, trips)
         timed = timing.interleaved(
             {mode: partial(timing.timed, partial(run, mode)) for mode in OUT_OF_PROCESS_MODES}, config.rounds
         )
+        # In process there is no round trip: the calls the engines answered (the engine under
+        # test's and the twins'), which a run out of process would send, are counted in a run
+        # of their own, outside the timed rounds.
+        in_process_calls = _engine_calls(config, faults)
         base = timed[OUT_OF_PROCESS_MODES[0]]
         for mode, runs in timed.items():
             row: dict[str, Any] = {"steps": runs[0].steps, "steps_per_s_by_round": [round(one.rate, 1) for one in runs]}
             if mode == OUT_OF_PROCESS_MODES[0]:
                 row["steps_per_s"] = round(runs[timing.median_round(runs, lambda one: one.rate)].rate, 1)
+                row["engine_calls_per_step"] = _per_step(in_process_calls, row["steps"])
+                row["round_trips_per_step"] = 0.0
             else:
                 slowdowns = [alone.rate / one.rate for alone, one in zip(base, runs, strict=True)]
                 # The median round by slowdown: the row's steps/s is that round's, so the two agree.
@@ -54,6 +75,11 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
                     "slower": round(slowdowns[middle], 3),
                     "slower_min": spread["min"],
                     "slower_max": spread["max"],
+                    # Every round runs the same steps; the median round's calls.
+                    "round_trips_per_step": _per_step(trips[mode][middle], runs[middle].steps),
+                    "round_trips_per_step_by_round": [
+                        _per_step(count, one.steps) for count, one in zip(trips[mode], runs, strict=True)
+                    ],
                 }
             if mode == "isolated":
                 row["workers_started"] = round(statistics.median(workers))
@@ -61,9 +87,12 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     return rows
 
 
-def _fuzz_out_of_process(config: BenchSettings, faults: str, workers: list[int], mode: str) -> int:
-    """One run of the fake in ``mode``; an isolated run adds the workers it started to ``workers``."""
-    from shardkit._transport.client import close_connection
+def _fuzz_out_of_process(
+    config: BenchSettings, faults: str, workers: list[int], trips: dict[str, list[int]], mode: str
+) -> int:
+    """One run of the fake in ``mode``; it adds the gRPC calls it sent to ``trips[mode]``, and
+    an isolated run the workers it started to ``workers``."""
+    from shardkit._transport.client import close_connection, round_trips
     from shardkit._transport.isolation import isolated_target
 
     with contextlib.ExitStack() as stack:
@@ -74,10 +103,77 @@ def _fuzz_out_of_process(config: BenchSettings, faults: str, workers: list[int],
         elif mode == "isolated":
             target = isolated_target(target)
             stack.callback(target.isolation.close)
+        before = round_trips()
         result = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+        trips[mode].append(round_trips() - before)
         if mode == "isolated":
             workers.append(target.isolation.workers_started)
         return result.steps
+
+
+def _per_step(calls: int, steps: int) -> float:
+    return round(calls / steps, 2) if steps else 0.0
+
+
+def _engine_calls(config: BenchSettings, faults: str) -> int:
+    """The calls the engines of an in-process run of the fake answered, every engine the run
+    built (the engine under test, its restarts and the twins): what a run out of process
+    sends as round trips, less what the server answers ahead."""
+    counter = _CallCounter()
+    fuzz(partial(_CountedEngine, counter), seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+    return counter.calls
+
+
+class _CallCounter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class _CountedEngine(ShardEngine):
+    """The fake, its calls counted: in process, each is what a round trip is out of process."""
+
+    def __init__(self, counter: _CallCounter) -> None:
+        self._inner = FakeShardEngine()
+        self._counter = counter
+
+    def __getattr__(self, name: str) -> Any:  # what the kit asks the fake beyond the contract
+        return getattr(self._inner, name)
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        self._counter.calls += 1
+        return self._inner.load(request)
+
+    def capabilities(self) -> EngineCapabilities:
+        self._counter.calls += 1
+        return self._inner.capabilities()
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        self._counter.calls += 1
+        return self._inner.prefill(request)
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        self._counter.calls += 1
+        return self._inner.decode(request)
+
+    def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
+        self._counter.calls += 1
+        return self._inner.cancel(session_id, epoch)
+
+    def release(self, session_id: str) -> StructuredStatus:
+        self._counter.calls += 1
+        return self._inner.release(session_id)
+
+    def health(self) -> HealthResult:
+        self._counter.calls += 1
+        return self._inner.health()
+
+    def metrics(self) -> MetricsResult:
+        self._counter.calls += 1
+        return self._inner.metrics()
+
+    def inject_fault(self, fault: Fault) -> StructuredStatus:
+        self._counter.calls += 1
+        return self._inner.inject_fault(fault)
 
 
 @contextlib.contextmanager

@@ -105,7 +105,14 @@ def _render_out_of_process(out_of_process: dict[str, Any] | str) -> list[str]:
             if "slower" in row
             else ""
         )
-        lines.append(f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s{slower}  ({row['steps']} steps{workers})")
+        calls = (
+            f"{row['engine_calls_per_step']:.2f} engine calls a step, no round trip"
+            if "engine_calls_per_step" in row
+            else f"{row['round_trips_per_step']:.2f} round trips a step"
+        )
+        lines.append(
+            f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s{slower}  {calls}  ({row['steps']} steps{workers})"
+        )
     return lines
 
 
@@ -116,17 +123,22 @@ def _render_planted(planted: list[dict[str, Any]] | str) -> list[str]:
     seeds = len(planted[0]["runs"]) if planted else 0
     lines.append(
         f"planted bugs at {seeds} seed{'s' if seeds != 1 else ''} (shrunk length at each seed, min: the minimum; "
-        "secs: median seconds to the first failure):"
+        "secs: median seconds to the first failure, and to the minimised one):"
     )
-    lines.append(f"  {'engine':<30} {'found':>5} {'min':>4}  {'shrunk at each seed':<24} {'secs':>6} {'contract':>8}")
+    lines.append(
+        f"  {'engine':<30} {'found':>5} {'min':>4}  {'shrunk at each seed':<24} {'secs':>6} {'to min':>7} "
+        f"{'contract':>8}"
+    )
     for row in planted:
         runs = row["runs"]
+        found = [run for run in runs if run["found"]]
         lengths = " ".join(_cell(run["shrunk_length"]) if run["found"] else "NO" for run in runs)
-        seconds = _median([run["seconds_to_first_failure"] for run in runs if run["found"]])
+        seconds = _median([run["seconds_to_first_failure"] for run in found])
+        to_minimal = _median([run["seconds_to_minimal_failure"] for run in found])
         caught = "caught" if row["caught_by_contract"] else "-"
         lines.append(
             f"  {row['engine']:<30} {row['found_at_seeds']:>3}/{len(runs)} {row['minimal_length']:>4}  "
-            f"{lengths:<24} {_cell(seconds):>6} {caught:>8}"
+            f"{lengths:<24} {_cell(seconds):>6} {_cell(to_minimal):>7} {caught:>8}"
         )
     lines.append("  " + _planted_summary(planted))
     return lines
@@ -254,7 +266,8 @@ def _planted_summary(planted: list[dict[str, Any]]) -> str:
         f"found at every seed {everywhere}/{len(planted)} engines; of {len(runs)} runs found {len(found)}, "
         f"at the minimum {len(at_minimum)} ({_percent(len(at_minimum), len(runs))}), within one step "
         f"{len(within_one)}; median time to first failure "
-        f"{_cell(_median([run['seconds_to_first_failure'] for run in found]))} s; median random-walk length "
+        f"{_cell(_median([run['seconds_to_first_failure'] for run in found]))} s, to the minimised one "
+        f"{_cell(_median([run['seconds_to_minimal_failure'] for run in found]))} s; median random-walk length "
         f"{_cell(_median([run['random_walk_length'] for run in found]))} steps vs shrunk "
         f"{_cell(_median([run['shrunk_length'] for run in found]))}; the static contract alone catches "
         f"{contract}/{len(planted)}"

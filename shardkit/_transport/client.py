@@ -79,6 +79,7 @@ __all__ = [
     "close_connections",
     "parse_address",
     "remote_target",
+    "round_trips",
 ]
 
 T = TypeVar("T")
@@ -86,6 +87,28 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_SECONDS = DEFAULT_STEP_TIMEOUT
 #: How long ``close()`` waits for the server to drop an engine: best effort.
 _CLOSE_TIMEOUT_SECONDS = 1.0
+
+
+class _RoundTrips:
+    """The gRPC calls this process has sent, over every connection (``round_trips``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
+_ROUND_TRIPS = _RoundTrips()
+
+
+def round_trips() -> int:
+    """How many gRPC calls this process has sent to shard servers, over every connection: a
+    run's round trips are the difference before and after it (``shardkit bench`` divides
+    them by the run's steps)."""
+    return _ROUND_TRIPS.count
 
 
 def parse_address(address: str) -> tuple[str, str]:
@@ -128,6 +151,7 @@ class _Connection:
         if self.closed:
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
+        _ROUND_TRIPS.add()
         try:
             return getattr(self.stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as error:
@@ -213,6 +237,7 @@ class _Connection:
         for engine_id in engine_ids:
             # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
             # future is kept until done, since gRPC cancels a call whose future is collected.
+            _ROUND_TRIPS.add()
             closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=engine_id), timeout=timeout)
             with self._lock:
                 self.closing.add(closing)
