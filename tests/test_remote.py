@@ -5,6 +5,7 @@ and are always stopped; no test waits on a hang longer than its deadline."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import signal
@@ -344,6 +345,30 @@ def test_fuzzing_a_served_planted_bug_finds_the_same_minimal_failure_as_in_proce
     assert (local.failure.violation.property, len(local.failure.records)) == ("§2 metrics", 2)
     assert remote.trace_path is not None
     assert main(["replay", str(remote.trace_path)]) == 1  # the trace names the grpc:// target
+
+
+def test_the_same_seed_writes_the_same_trace_in_process_over_grpc_and_isolated(
+    served: Callable[..., EngineServer], tmp_path: Path
+) -> None:
+    """Byte for byte, but for the fields that say how the engine was reached: the target
+    (and the folder a module target was imported from), and the isolation's settings."""
+    target = "tests.planted:ReleaseLeaksKvTokens"
+    runs = {
+        "in-process": fuzz(target, seed=1, examples=50, steps=30, out=tmp_path / "local"),
+        "grpc": fuzz(served(target).url, seed=1, examples=50, steps=30, out=tmp_path / "grpc"),
+        "isolated": fuzz(target, seed=1, examples=50, steps=30, isolate=True, out=tmp_path / "isolated"),
+    }
+    reached = {"target": None, "target_path": None, "isolate": None}
+    traces = {}
+    for mode, result in runs.items():
+        assert result.trace_path is not None, mode
+        written = result.trace_path.read_text()
+        fields = json.loads(written)
+        # The file is exactly its fields, as the kit writes them: comparing the fields is comparing the bytes.
+        assert json.dumps(fields, indent=2, ensure_ascii=False) + "\n" == written
+        traces[mode] = {**fields, **reached}
+        assert set(fields) >= set(reached) - {"target_path"}, mode
+    assert traces["grpc"] == traces["in-process"] == traces["isolated"]
 
 
 def test_an_isolated_trace_replays_against_a_served_engine_with_its_own_deadline(
