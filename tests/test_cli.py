@@ -455,6 +455,7 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_qui
         # A step is at least one call of the engine under test, in process and out of it.
         in_process = figures["out_of_process"][f"in-process, faults {faults}"]
         assert (in_process["round_trips_per_step"], in_process["engine_calls_per_step"] >= 1) == (0.0, True)
+        assert in_process["engine_calls_steps"] == in_process["steps"]  # the engines counted ran the same steps
         for mode in ("grpc", "isolated"):
             out = figures["out_of_process"][f"{mode}, faults {faults}"]
             assert out["round_trips_per_step"] >= 1, (mode, faults, out)

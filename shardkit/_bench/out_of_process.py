@@ -57,13 +57,15 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
         # In process there is no round trip: the calls the engines answered (the engine under
         # test's and the twins'), which a run out of process would send, are counted in a run
         # of their own, outside the timed rounds.
-        in_process_calls = _engine_calls(config, faults)
+        in_process_calls, counted_steps = _engine_calls(config, faults)
         base = timed[OUT_OF_PROCESS_MODES[0]]
         for mode, runs in timed.items():
             row: dict[str, Any] = {"steps": runs[0].steps, "steps_per_s_by_round": [round(one.rate, 1) for one in runs]}
             if mode == OUT_OF_PROCESS_MODES[0]:
                 row["steps_per_s"] = round(runs[timing.median_round(runs, lambda one: one.rate)].rate, 1)
-                row["engine_calls_per_step"] = _per_step(in_process_calls, row["steps"])
+                # The same seed: the counted run took the timed runs' steps (``engine_calls_steps``).
+                row["engine_calls_per_step"] = _per_step(in_process_calls, counted_steps)
+                row["engine_calls_steps"] = counted_steps
                 row["round_trips_per_step"] = 0.0
             else:
                 slowdowns = [alone.rate / one.rate for alone, one in zip(base, runs, strict=True)]
@@ -115,13 +117,14 @@ def _per_step(calls: int, steps: int) -> float:
     return round(calls / steps, 2) if steps else 0.0
 
 
-def _engine_calls(config: BenchSettings, faults: str) -> int:
+def _engine_calls(config: BenchSettings, faults: str) -> tuple[int, int]:
     """The calls the engines of an in-process run of the fake answered, every engine the run
-    built (the engine under test, its restarts and the twins): what a run out of process
-    sends as round trips, less what the server answers ahead."""
+    built (the engine under test, its restarts and the twins), and the run's steps: what a
+    run out of process sends as round trips, less what the server answers ahead."""
     counter = _CallCounter()
-    fuzz(partial(_CountedEngine, counter), seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
-    return counter.calls
+    counted = partial(_CountedEngine, counter)
+    result = fuzz(counted, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
+    return counter.calls, result.steps
 
 
 class _CallCounter:
