@@ -831,6 +831,39 @@ def test_a_crash_fault_kills_the_engine_on_the_counted_call(count: int) -> None:
         engine.inject_fault(Fault("delay", 0))
 
 
+class _UndoesPastTwoSessions(FakeShardEngine):
+    """An override that calls the engine itself: it opens, then undoes an open past two
+    sessions with ``super().release()`` (an admission limit of its own)."""
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        result = super().prefill(request)
+        if result.status.ok and self.metrics().active_sessions > 2:
+            super().release(request.session_id)
+        return result
+
+
+class _OneMoreOverride(_UndoesPastTwoSessions):
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        super().cancel("nobody", 0)
+        return super().prefill(request)
+
+
+@pytest.mark.parametrize("engine_class", [_UndoesPastTwoSessions, _OneMoreOverride])
+def test_a_crash_counts_each_call_of_the_kit_once_not_the_engines_calls_to_itself(
+    engine_class: type[FakeShardEngine],
+) -> None:
+    """Contract §4 crash: an engine's calls to itself do not count. The third prefill runs a
+    release (and, one class down, a cancel) inside it: still one call."""
+    engine = engine_class()
+    assert engine.load(LoadRequest("fixture-model", *RANGES["full"], LAYERS)).status.ok
+    assert engine.inject_fault(Fault("crash", 4)).ok
+    for session in ("a", "b", "c"):  # three counted calls, however many operations they ran
+        assert prefill(engine, [1], session=session).status.ok
+    assert engine.metrics().active_sessions == 2
+    with pytest.raises(FakeEngineCrash, match=r"died in release\(\) \(call #4\)"):
+        engine.release("a")
+
+
 def test_the_earliest_armed_crash_wins() -> None:
     """Two crash faults: the one due first kills the process."""
     engine = loaded(crash_after_calls=10)

@@ -222,6 +222,41 @@ def one_call_at_a_time(method: _Method) -> _Method:
     return cast(_Method, serialized)
 
 
+#: The operations a crash fault counts (contract §4 ``crash``).
+_COUNTED_OPERATIONS = ("prefill", "decode", "cancel", "release")
+
+
+class _KitCall(threading.local):
+    """The counted operation a thread is in, on one engine: how deep (an override that calls
+    ``super()``, the base's own operation), and whether it was counted yet."""
+
+    depth = 0
+    counted = False
+
+
+def _one_counted_call(method: _Method) -> _Method:
+    """A counted operation, the base's or an override of it: the kit's call is the outermost
+    one, and counts once however many of the engine's operations it runs (an override's
+    ``super().prefill()`` then ``super().release()`` is one call: contract §4 ``crash`` does
+    not count an engine's calls to itself)."""
+    if getattr(method, "_one_counted_call", False):
+        return method
+
+    @functools.wraps(method)
+    def counted_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = self._kit_call
+        if call.depth == 0:
+            call.counted = False
+        call.depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            call.depth -= 1
+
+    counted_once._one_counted_call = True  # type: ignore[attr-defined]
+    return cast(_Method, counted_once)
+
+
 class SessionEngine(ShardEngine, Generic[CacheT]):
     """A ``ShardEngine`` whose lifecycle is contract §2 exactly, with every §4 fault native;
     a subclass adds the numerics through ``load_layers``, ``fresh_cache``, ``forward`` and
@@ -250,6 +285,9 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         # ENGINE_NAME is another engine, and its messages must not name its parent.
         if "ENGINE_NAME" not in cls.__dict__:
             cls.ENGINE_NAME = cls.__name__
+        for operation in _COUNTED_OPERATIONS:
+            if operation in cls.__dict__:
+                setattr(cls, operation, _one_counted_call(cls.__dict__[operation]))
 
     def __init__(
         self,
@@ -294,6 +332,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         # Calls from several threads run one at a time (``concurrent_calls``), a subclass's
         # ``forward`` included; re-entrant, so an override may call ``super()``.
         self._calls = threading.RLock()
+        self._kit_call = _KitCall()
         self._spec = spec
         self._crash_exception_factory = crash_exception_factory or self._default_crash
         self._step_delay_seconds = step_delay_seconds
@@ -358,9 +397,11 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     def _check_alive(self, operation: str, *, counted: bool = False) -> None:
         """Raise as a dead process would; a counted call may be the scheduled one that dies:
-        the one an armed crash fault names (prefill, decode, cancel and release count), or
-        the first prefill/decode after ``crash_after_calls`` of them succeeded."""
-        if counted and self._death is None:
+        the one an armed crash fault names (prefill, decode, cancel and release count, each
+        call of the kit once: ``_one_counted_call``), or the first prefill/decode after
+        ``crash_after_calls`` of them succeeded."""
+        if counted and self._death is None and not self._kit_call.counted:
+            self._kit_call.counted = True
             self._counted_calls += 1
             if self._crash_at_call is not None and self._counted_calls >= self._crash_at_call:
                 self._death = f"{operation}() (call #{self._counted_calls})"
@@ -422,12 +463,14 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     # --- steps -------------------------------------------------------------------------------
 
+    @_one_counted_call
     @one_call_at_a_time
     def prefill(self, request: PrefillRequest) -> StepResult:
         self._check_alive("prefill", counted=True)
         self._prefill_calls += 1
         return self._step(request, "prefill")
 
+    @_one_counted_call
     @one_call_at_a_time
     def decode(self, request: DecodeRequest) -> StepResult:
         self._check_alive("decode", counted=True)
@@ -624,6 +667,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
 
     # --- session control -------------------------------------------------------------------
 
+    @_one_counted_call
     @one_call_at_a_time
     def cancel(self, session_id: str, epoch: int) -> StructuredStatus:
         self._check_alive("cancel", counted=True)
@@ -646,6 +690,7 @@ class SessionEngine(ShardEngine, Generic[CacheT]):
         session.cancelled, session.kv_tokens, session.cache = True, 0, None
         return _OK
 
+    @_one_counted_call
     @one_call_at_a_time
     def release(self, session_id: str) -> StructuredStatus:
         self._check_alive("release", counted=True)
