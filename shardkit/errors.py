@@ -41,6 +41,8 @@ the kit and reported as a finding or as one of the errors here.
   "unknown", which is never reported as a failure.
 - ``_CancelledMeanwhile`` (``shardkit._planted.batching``): a planted batching engine's step
   whose session was cancelled while it ran; the engine answers it as CANCELLED.
+- ``_Aborted`` (``shardkit._transport.server``): a call of a ``Calls`` stream ended with a gRPC
+  status; the stream answers that call with it and goes on.
 """
 
 from __future__ import annotations

@@ -356,6 +356,8 @@ def test_the_same_seed_writes_the_same_trace_in_process_over_grpc_and_isolated(
     runs = {
         "in-process": fuzz(target, seed=1, examples=50, steps=30, out=tmp_path / "local"),
         "grpc": fuzz(served(target).url, seed=1, examples=50, steps=30, out=tmp_path / "grpc"),
+        # A server without the Calls stream (an older one) is called RPC by RPC.
+        "grpc, unary": fuzz(served(target, optional_calls=()).url, seed=1, examples=50, steps=30, out=tmp_path / "unary"),
         "isolated": fuzz(target, seed=1, examples=50, steps=30, isolate=True, out=tmp_path / "isolated"),
     }
     reached = {"target": None, "target_path": None, "isolate": None}
@@ -368,7 +370,7 @@ def test_the_same_seed_writes_the_same_trace_in_process_over_grpc_and_isolated(
         assert json.dumps(fields, indent=2, ensure_ascii=False) + "\n" == written
         traces[mode] = {**fields, **reached}
         assert set(fields) >= set(reached) - {"target_path"}, mode
-    assert traces["grpc"] == traces["in-process"] == traces["isolated"]
+    assert traces["grpc"] == traces["grpc, unary"] == traces["in-process"] == traces["isolated"]
 
 
 def test_an_isolated_trace_replays_against_a_served_engine_with_its_own_deadline(

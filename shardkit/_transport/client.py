@@ -29,9 +29,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
+import math
+import queue
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
@@ -87,6 +92,13 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_SECONDS = DEFAULT_STEP_TIMEOUT
 #: How long ``close()`` waits for the server to drop an engine: best effort.
 _CLOSE_TIMEOUT_SECONDS = 1.0
+#: The optional RPC that carries the others over one stream per thread (``HandshakeResponse.calls``).
+_STREAM_RPC = "Calls"
+#: The response message of each RPC, which a ``Calls`` answer carries serialized.
+_RESPONSE_TYPES: Mapping[str, Any] = MappingProxyType(
+    {method.name: getattr(pb, method.output_type.name) for method in pb.DESCRIPTOR.services_by_name["ShardEngineService"].methods}
+)
+_STATUS_CODES: Mapping[int, Any] = MappingProxyType({code.value[0]: code for code in grpc.StatusCode})
 
 
 class _RoundTrips:
@@ -139,6 +151,11 @@ class _Connection:
         self.server = ""
         self.target = ""
         self.server_id = ""
+        #: Whether the server has ``Calls`` (its handshake says so): then every call but the
+        #: handshake goes over a stream of the calling thread's (``_CallStream``).
+        self.streamed = False
+        self._streams = threading.local()
+        self._open_streams: weakref.WeakSet[_CallStream] = weakref.WeakSet()
         self.closed = False
         #: Whether the last engine loaded through this connection was asked ``capabilities()``
         #: right after ``load``, as the kit asks every engine: then ``load`` asks for them ahead.
@@ -152,14 +169,57 @@ class _Connection:
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
         _ROUND_TRIPS.add()
+        if self.streamed and not wait_for_ready and rpc != "Handshake":
+            return self._streamed(operation, rpc, request, timeout)
         try:
             return getattr(self.stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as error:
             raise self.translate(error, operation, timeout) from error
 
+    def _streamed(self, operation: str, rpc: str, request: Any, timeout: float) -> Any:
+        """``call`` over the calling thread's ``Calls`` stream, with the same answers and errors."""
+        stream: _CallStream | None = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = _CallStream(self.channel)
+            self._open_streams.add(stream)
+        try:
+            answer = stream.ask(pb.Call(rpc=rpc, request=request.SerializeToString()), timeout)
+        except grpc.RpcError as error:
+            self._drop_stream(stream)
+            if stream.expired:
+                raise self.failure(grpc.StatusCode.DEADLINE_EXCEEDED, "", {}, operation, timeout) from error
+            raise self.translate(error, operation, timeout) from error
+        except StopIteration:
+            self._drop_stream(stream)
+            message = f"{self.url}: {operation}: the server ended the {_STREAM_RPC} stream without an answer"
+            raise RemoteProtocolError(message, address=self.url, operation=operation) from None
+        if stream.expired:  # the answer came as the deadline passed: answered, but the stream is cancelled
+            self._drop_stream(stream)
+        if answer.status_code != grpc.StatusCode.OK.value[0]:
+            code = _STATUS_CODES.get(answer.status_code)
+            details = answer.details if code is not None else f"status code {answer.status_code}: {answer.details}"
+            raise self.failure(code, details, dict(answer.trailing_metadata), operation, timeout)
+        try:
+            return _RESPONSE_TYPES[rpc].FromString(answer.response)
+        except Exception as error:  # protobuf's DecodeError, or whatever its parser raises on garbage
+            message = f"{self.url}: {operation}: the server answered garbage: the answer is not a {rpc} response ({error})"
+            raise RemoteProtocolError(message, address=self.url, operation=operation) from None
+
+    def _drop_stream(self, stream: _CallStream) -> None:
+        stream.end()
+        if getattr(self._streams, "stream", None) is stream:
+            self._streams.stream = None
+
     def translate(self, error: Any, operation: str, timeout: float) -> RemoteEngineError:
         code = error.code() if callable(getattr(error, "code", None)) else None
         details = (error.details() if callable(getattr(error, "details", None)) else None) or str(error)
+        return self.failure(code, details, _trailing(error), operation, timeout)
+
+    def failure(
+        self, code: Any, details: str, trailing: dict[str, Any], operation: str, timeout: float
+    ) -> RemoteEngineError:
+        """The error for a call that ended with gRPC status ``code`` (None: unknown), ``details``
+        and the ``trailing`` metadata, whether a unary RPC or a call of a ``Calls`` stream."""
         where = {"address": self.url, "operation": operation, "details": details}
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             message = f"{self.url}: {operation} got no answer within its {timeout:g} s deadline (the engine hangs or is too slow)"
@@ -172,11 +232,11 @@ class _Connection:
             )
             return RemoteUnavailable(message, code=code.name, **where)
         if code == grpc.StatusCode.INTERNAL:
-            exception_type = _trailing(error).get(codec.EXCEPTION_TYPE_KEY)
+            exception_type = trailing.get(codec.EXCEPTION_TYPE_KEY)
             if exception_type is not None:
                 message = f"{self.url}: {operation}: the engine raised {details}"
                 return RemoteEngineCrashed(message, exception_type=str(exception_type), **where)
-        if code == grpc.StatusCode.FAILED_PRECONDITION and codec.EVICTED_KEY in _trailing(error):
+        if code == grpc.StatusCode.FAILED_PRECONDITION and codec.EVICTED_KEY in trailing:
             message = f"{self.url}: {operation}: the server evicted this engine: {details}"
             return RemoteEngineEvicted(message, code=code.name, **where)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -213,6 +273,7 @@ class _Connection:
             raise RemoteProtocolError(message, address=self.url, operation="handshake")
         with self._lock:
             self.server, self.target, self.server_id = response.server, response.target, response.server_id
+            self.streamed = _STREAM_RPC in response.calls
 
     def new_engine(self, timeout: float) -> int:
         dropped = []
@@ -249,7 +310,86 @@ class _Connection:
 
     def close(self) -> None:
         self.closed = True
+        for stream in list(self._open_streams):
+            stream.end()
         self.channel.close()
+
+
+class _CallStream:
+    """One thread's ``Calls`` stream: each call is sent, and its answer awaited, in turn. Ended
+    (its requests half-closed, so the server's thread for it ends too) when dropped after a
+    failure, when its connection closes, or when its thread ends and the stream is collected."""
+
+    def __init__(self, channel: Any) -> None:
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        open_stream = channel.stream_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['ShardEngineService'].full_name}/{_STREAM_RPC}",
+            request_serializer=pb.Call.SerializeToString,
+            response_deserializer=pb.Answer.FromString,
+        )
+        self._answers: Any = open_stream(iter(self._calls.get, None))
+        #: Set when the watchdog cancelled the stream because an answer was overdue.
+        self.expired = False
+        self._end = weakref.finalize(self, self._calls.put, None)
+
+    def ask(self, call: Any, timeout: float) -> Any:
+        """Send ``call`` and wait for its answer; a ``grpc.RpcError`` if the stream fails or the
+        answer is not there within ``timeout`` seconds (``expired`` then says so)."""
+        self._calls.put(call)
+        with _WATCHDOG.watching(self, timeout):
+            return next(self._answers)
+
+    def expire(self) -> None:
+        self.expired = True
+        self._answers.cancel()
+
+    def end(self) -> None:
+        self._end()
+
+
+class _Watchdog:
+    """Cancels a ``Calls`` stream whose answer is overdue: a stream has no deadline per call, as
+    a unary RPC has. One thread for the process, which wakes at the earliest deadline it knows of,
+    so most calls neither wake it nor start anything."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._watched: dict[int, tuple[float, _CallStream]] = {}
+        self._keys = itertools.count()
+        self._wakes_at = math.inf
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watching(self, stream: _CallStream, timeout: float) -> Iterator[None]:
+        deadline = time.monotonic() + timeout
+        key = next(self._keys)
+        with self._lock:
+            self._watched[key] = (deadline, stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="shardkit-stream-deadlines", daemon=True)
+                self._thread.start()
+            if deadline < self._wakes_at:
+                self._wakes_at = deadline
+                self._lock.notify()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watched.pop(key, None)
+
+    def _watch(self) -> None:
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, stream) in list(self._watched.items()):
+                    if deadline <= now:
+                        del self._watched[key]
+                        stream.expire()
+                self._wakes_at = min((deadline for deadline, _ in self._watched.values()), default=math.inf)
+                self._lock.wait(None if self._wakes_at == math.inf else self._wakes_at - now)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _trailing(error: Any) -> dict[str, Any]:

@@ -79,6 +79,7 @@ from shardkit.proto import shard_engine_pb2_grpc as pb_grpc
 __all__ = [
     "DEFAULT_MAX_ENGINES",
     "MAX_FAULT_DELAY_SECONDS",
+    "OPTIONAL_CALLS",
     "EngineServer",
     "ShardEngineServicer",
     "parse_listen",
@@ -106,6 +107,11 @@ _CONNECTION_THREADS = 2
 #: The RPCs on each pool but the engine calls' (the rest).
 _HEALTH_RPCS = frozenset({"Health"})
 _CONNECTION_RPCS = frozenset({"Handshake", "CloseEngine"})
+#: The optional RPCs this server has, which its handshake lists (``HandshakeResponse.calls``).
+OPTIONAL_CALLS = ("Calls",)
+#: The RPC that carries the others over one stream, and the RPCs it cannot carry.
+_STREAM_RPC = "Calls"
+_NOT_STREAMED = frozenset({"Handshake", _STREAM_RPC})
 #: The most a served engine may be asked to wait by delay faults before its next prefill or
 #: decode (the delays asked since its last one add up). The kit's own delay faults are 1 ms at
 #: most; a longer delay would only hold a server thread, which is what the cap prevents.
@@ -299,7 +305,12 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         log: TextIO | None = None,
         fatal_exceptions: bool = False,
         max_engines: int = DEFAULT_MAX_ENGINES,
+        optional_calls: tuple[str, ...] = OPTIONAL_CALLS,
     ) -> None:
+        unknown = sorted(set(optional_calls) - set(OPTIONAL_CALLS))
+        if unknown:
+            message = f"optional_calls names {unknown}, which this server does not have; choose among {list(OPTIONAL_CALLS)}"
+            raise ValueError(message)
         if isinstance(max_engines, bool) or not isinstance(max_engines, int) or max_engines < 1:
             message = f"max_engines must be a positive whole number, got {max_engines!r}"
             raise ValueError(message)
@@ -309,12 +320,22 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         #: A worker (``--worker``): an engine's exception ends the process, as a native crash would.
         self.fatal_exceptions = fatal_exceptions
         self.max_engines = max_engines
+        #: What the handshake lists, and the only optional RPCs answered (an older server's part
+        #: is played with fewer).
+        self.optional_calls = tuple(optional_calls)
         #: Live engines, least recently used first.
         self._engines: collections.OrderedDict[int, _Slot] = collections.OrderedDict()
         self._evicted: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.evictions = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        #: What a ``Calls`` stream carries: every RPC but ``Handshake`` (and ``Calls``), raw.
+        service = pb.DESCRIPTOR.services_by_name["ShardEngineService"]
+        self._streamed = {
+            method.name: _Rpc(self, method.name, getattr(pb, method.input_type.name))
+            for method in service.methods
+            if method.name not in _NOT_STREAMED
+        }
         #: Unique to this servicer: a client reconnected to another server sees it change.
         self.server_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -342,7 +363,33 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
             server=f"shardkit {__version__}",
             target=self.target.name,
             server_id=self.server_id,
+            calls=self.optional_calls,
         )
+
+    def Calls(self, calls: Iterator[pb.Call | bytes], context: Any) -> Iterator[pb.Answer]:
+        """Each ``Call`` run as the unary RPC it names, answered in order with the status that
+        RPC would have ended with (``_StreamedCallContext``). Raw bytes that do not parse as a
+        ``Call`` end the stream with ``INVALID_ARGUMENT``, as for any other RPC (``_Rpc``)."""
+        if _STREAM_RPC not in self.optional_calls:
+            _abort(context, grpc.StatusCode.UNIMPLEMENTED, f"this server does not offer {_STREAM_RPC}")
+        for call in calls:
+            yield self._streamed_answer(_Rpc.parsed(_STREAM_RPC, pb.Call, call, context) if isinstance(call, bytes) else call)
+
+    def _streamed_answer(self, call: pb.Call) -> pb.Answer:
+        rpc = self._streamed.get(call.rpc)
+        if rpc is None:
+            details = f"{_STREAM_RPC} cannot carry a call of {call.rpc!r}; it carries {', '.join(sorted(self._streamed))}"
+            return pb.Answer(status_code=grpc.StatusCode.UNIMPLEMENTED.value[0], details=details)
+        context = _StreamedCallContext()
+        try:
+            response = rpc(call.request, context)
+        except _Aborted as aborted:
+            code = aborted.code.value[0]
+            return pb.Answer(status_code=code, details=aborted.details, trailing_metadata=context.trailing_metadata)
+        except Exception as error:  # what gRPC answers for a unary handler that raised
+            details = f"Exception calling application: {error}"
+            return pb.Answer(status_code=grpc.StatusCode.UNKNOWN.value[0], details=details)
+        return pb.Answer(response=response.SerializeToString())
 
     def NewEngine(self, request: pb.NewEngineRequest, context: Any) -> pb.NewEngineResponse:
         if request.close_engine_ids:
@@ -662,7 +709,7 @@ class _Rpc:
     answer ``INTERNAL``."""
 
     def __init__(
-        self, servicer: ShardEngineServicer, name: str, request_type: Any, pool: futures.ThreadPoolExecutor
+        self, servicer: ShardEngineServicer, name: str, request_type: Any, pool: futures.ThreadPoolExecutor | None = None
     ) -> None:
         self._method = getattr(servicer, name)
         self._name = name
@@ -670,17 +717,86 @@ class _Rpc:
         self.experimental_thread_pool = pool
 
     def __call__(self, raw: bytes, context: Any) -> Any:
+        return self._method(self.parsed(self._name, self._request_type, raw, context), context)
+
+    @staticmethod
+    def parsed(name: str, request_type: Any, raw: bytes, context: Any) -> Any:
+        """``raw`` as a ``request_type`` message, or the call aborted naming the RPC ``name``."""
         try:
-            request = self._request_type.FromString(raw)
+            return request_type.FromString(raw)
         except Exception as error:  # protobuf's DecodeError, or whatever its parser raises on garbage
             failure = error
-        else:
-            return self._method(request, context)
         details = (
-            f"cannot decode the {self._name} request: its {len(raw)} bytes are not a "
-            f"{self._request_type.DESCRIPTOR.full_name} message ({_describe(failure)})"
+            f"cannot decode the {name} request: its {len(raw)} bytes are not a "
+            f"{request_type.DESCRIPTOR.full_name} message ({_describe(failure)})"
         )
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+class _Aborted(Exception):
+    """A call of the ``Calls`` stream ended with a gRPC status other than OK."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _StreamedCallContext:
+    """What a servicer method is given for one call of the ``Calls`` stream: the part of gRPC's
+    context it uses (``abort`` and ``set_trailing_metadata``), kept for that call's answer alone,
+    since aborting the stream's own context would end every later call on it."""
+
+    def __init__(self) -> None:
+        self.trailing_metadata: dict[str, str] = {}
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> None:
+        self.trailing_metadata = dict(metadata)
+
+    def abort(self, code: Any, details: str) -> NoReturn:
+        raise _Aborted(code, details)
+
+
+class _OnPool:
+    """A stream's behaviour as gRPC calls it, on ``pool`` (``experimental_thread_pool``)."""
+
+    def __init__(self, behaviour: Callable[[Any, Any], Any], pool: futures.ThreadPoolExecutor) -> None:
+        self._behaviour = behaviour
+        self.experimental_thread_pool = pool
+
+    def __call__(self, requests: Any, context: Any) -> Any:
+        return self._behaviour(requests, context)
+
+
+class _ThreadPerStream(futures.ThreadPoolExecutor):
+    """A daemon thread for each ``Calls`` stream, for as long as it lasts: a stream holds its
+    thread between calls, so a pool of fixed size would leave the streams beyond it unanswered.
+    (Daemons and ``submit`` only, for the reasons ``_CallThreads`` gives.)"""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self._name = name
+        self._streams = itertools.count(1)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> futures.Future[T]:
+        future: futures.Future[T] = futures.Future()
+        name = f"{self._name}-{next(self._streams)}"
+        threading.Thread(target=_run_into, args=(future, functools.partial(fn, *args, **kwargs)), name=name, daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to do: each thread ends with its stream (the server's stop cancels them)."""
+
+
+def _run_into(future: futures.Future[Any], call: Callable[[], Any]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = call()
+    except BaseException as error:  # the future carries it to whoever waits on it
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _add_service(
@@ -689,12 +805,16 @@ def _add_service(
     engine_pool: futures.ThreadPoolExecutor,
     health_pool: futures.ThreadPoolExecutor,
     connection_pool: futures.ThreadPoolExecutor,
+    stream_pool: futures.ThreadPoolExecutor,
 ) -> None:
     """Register every RPC of ``ShardEngineService`` (read from the proto, so none is missed) as
-    an ``_Rpc``: raw requests, each kind of call on its own pool."""
+    an ``_Rpc``: raw requests, each kind of call on its own pool; each ``Calls`` stream on a
+    thread of its own."""
     service = pb.DESCRIPTOR.services_by_name["ShardEngineService"]
     handlers = {}
     for method in service.methods:
+        if method.name == _STREAM_RPC:
+            continue
         if method.name in _CONNECTION_RPCS:
             pool = connection_pool
         elif method.name in _HEALTH_RPCS:
@@ -708,6 +828,11 @@ def _add_service(
             request_deserializer=None,  # the raw bytes: _Rpc parses them
             response_serializer=response_type.SerializeToString,
         )
+    handlers[_STREAM_RPC] = grpc.stream_stream_rpc_method_handler(
+        _OnPool(servicer.Calls, stream_pool),
+        request_deserializer=None,  # the raw bytes: Calls parses them
+        response_serializer=pb.Answer.SerializeToString,
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
@@ -838,6 +963,7 @@ def serve(
     fatal_exceptions: bool = False,
     max_engines: int = DEFAULT_MAX_ENGINES,
     max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
+    optional_calls: tuple[str, ...] = OPTIONAL_CALLS,
 ) -> EngineServer:
     """Serve engines built from ``target`` on ``listen`` and return the running server.
 
@@ -846,7 +972,8 @@ def serve(
     ``fatal_exceptions`` ends the process after that line (exit ``codec.EXIT_ENGINE_RAISED``, or
     ``codec.EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does;
     ``max_engines`` bounds the engines kept alive (the least recently used is evicted);
-    ``max_message_bytes`` bounds each message received or sent.
+    ``max_message_bytes`` bounds each message received or sent; ``optional_calls``: the
+    optional RPCs served and listed by the handshake (fewer plays an older server).
     """
     resolved = resolve_target(target)
     bind, host = parse_listen(listen)
@@ -856,6 +983,7 @@ def serve(
         log=log,
         fatal_exceptions=fatal_exceptions,
         max_engines=max_engines,
+        optional_calls=optional_calls,
     )
     if host is None:
         # gRPC replaces a socket file that exists: a socket in use must be an error instead.
@@ -867,7 +995,7 @@ def serve(
     engine_pool = _CallThreads(_ENGINE_THREADS, "shardkit-engine")
     health_pool = _CallThreads(_HEALTH_THREADS, "shardkit-health")
     server = grpc.server(connection_pool, options=options)
-    _add_service(server, servicer, engine_pool, health_pool, connection_pool)
+    _add_service(server, servicer, engine_pool, health_pool, connection_pool, _ThreadPerStream("shardkit-calls"))
     try:
         port = server.add_insecure_port(bind)
     except RuntimeError as error:

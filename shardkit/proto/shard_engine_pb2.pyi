@@ -51,16 +51,45 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[str] = ..., client: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("protocol_version", "server", "target", "server_id")
+    __slots__ = ("protocol_version", "server", "target", "server_id", "calls")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     server: str
     target: str
     server_id: str
-    def __init__(self, protocol_version: _Optional[str] = ..., server: _Optional[str] = ..., target: _Optional[str] = ..., server_id: _Optional[str] = ...) -> None: ...
+    calls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[str] = ..., server: _Optional[str] = ..., target: _Optional[str] = ..., server_id: _Optional[str] = ..., calls: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Call(_message.Message):
+    __slots__ = ("rpc", "request")
+    RPC_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    rpc: str
+    request: bytes
+    def __init__(self, rpc: _Optional[str] = ..., request: _Optional[bytes] = ...) -> None: ...
+
+class Answer(_message.Message):
+    __slots__ = ("response", "status_code", "details", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    response: bytes
+    status_code: int
+    details: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, response: _Optional[bytes] = ..., status_code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class NewEngineRequest(_message.Message):
     __slots__ = ("close_engine_ids",)

@@ -74,6 +74,11 @@ class ShardEngineServiceStub(object):
                 request_serializer=shard__engine__pb2.InjectFaultCall.SerializeToString,
                 response_deserializer=shard__engine__pb2.StructuredStatus.FromString,
                 )
+        self.Calls = channel.stream_stream(
+                '/shardkit.v1.ShardEngineService/Calls',
+                request_serializer=shard__engine__pb2.Call.SerializeToString,
+                response_deserializer=shard__engine__pb2.Answer.FromString,
+                )
 
 
 class ShardEngineServiceServicer(object):
@@ -154,6 +159,17 @@ class ShardEngineServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Optional (HandshakeResponse.calls lists "Calls"): the calls above but Handshake, over one
+        stream. Each Call names a unary RPC and carries its request; the server runs it as that RPC
+        and answers with one Answer, in the order the calls came. A client keeps one stream per
+        thread, so the calls of one stream never overlap; a client that stops waiting for an answer
+        (its deadline passed) cancels the stream and opens another.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardEngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -216,6 +232,11 @@ def add_ShardEngineServiceServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=shard__engine__pb2.InjectFaultCall.FromString,
                     response_serializer=shard__engine__pb2.StructuredStatus.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=shard__engine__pb2.Call.FromString,
+                    response_serializer=shard__engine__pb2.Answer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -428,5 +449,22 @@ class ShardEngineService(object):
         return grpc.experimental.unary_unary(request, target, '/shardkit.v1.ShardEngineService/InjectFault',
             shard__engine__pb2.InjectFaultCall.SerializeToString,
             shard__engine__pb2.StructuredStatus.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/shardkit.v1.ShardEngineService/Calls',
+            shard__engine__pb2.Call.SerializeToString,
+            shard__engine__pb2.Answer.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
