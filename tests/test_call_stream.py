@@ -24,10 +24,10 @@ from shardkit.remote import (
     close_connections,
     serve,
 )
+from tests import streams
 
 FULL = LoadRequest("m", 0, 3, 4)
-#: How long a test waits for something that happens at once (a thread ending, say).
-PROMPT = 10.0
+PROMPT = streams.PROMPT
 
 
 @pytest.fixture
@@ -153,32 +153,19 @@ def test_a_streamed_call_that_misses_its_deadline_is_a_clear_error_and_the_next_
 def test_the_stream_answers_a_garbage_or_unknown_call_with_its_status_and_goes_on(
     served: Callable[..., EngineServer],
 ) -> None:
-    server = served()
-    channel = grpc.insecure_channel(server.url.removeprefix("grpc://"))
-    try:
-        stub = channel.stream_stream(
-            "/shardkit.v1.ShardEngineService/Calls",
-            request_serializer=pb.Call.SerializeToString,
-            response_deserializer=pb.Answer.FromString,
-        )
-        calls = [
-            pb.Call(rpc="Prefill", request=b"\xff\xff\xff\xff\xff"),
-            pb.Call(rpc="Handshake", request=pb.HandshakeRequest().SerializeToString()),
-            pb.Call(rpc="NewEngine", request=pb.NewEngineRequest().SerializeToString()),
-            pb.Call(rpc="Health", request=pb.EngineRef(engine_id=10**6).SerializeToString()),
-        ]
-        garbage, handshake, new_engine, unknown_engine = stub(iter(calls), timeout=PROMPT)
-    finally:
-        channel.close()
-    assert garbage.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "cannot decode the Prefill request" in garbage.details
-    assert "shardkit.v1.StepCall" in garbage.details
-    assert handshake.status_code == grpc.StatusCode.UNIMPLEMENTED.value[0]
-    assert "Calls cannot carry a call of 'Handshake'" in handshake.details
-    assert new_engine.status_code == 0
-    assert pb.NewEngineResponse.FromString(new_engine.response).engine_id >= 1
-    assert unknown_engine.status_code == grpc.StatusCode.NOT_FOUND.value[0]
-    assert "no engine 1000000 on this server" in unknown_engine.details
+    url = served().url
+    streams.check_a_stream_answers_each_call_with_its_status_and_goes_on(url)
+    (garbage,) = streams.answers(url, [pb.Call(rpc="Decode", request=b"\xff\xff")])
+    assert "its 2 bytes are not a shardkit.v1.StepCall message" in garbage.details
+
+
+def test_an_older_server_lists_no_optional_call_and_refuses_the_stream(served: Callable[..., EngineServer]) -> None:
+    url = served(optional_calls=()).url
+    assert streams.handshake_calls(url) == []
+    with pytest.raises(grpc.RpcError) as refused:
+        streams.answers(url, [pb.Call(rpc="NewEngine", request=b"")])
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "this server does not offer Calls" in refused.value.details()
 
 
 def test_a_server_refuses_an_optional_call_it_does_not_have_naming_those_it_has() -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from shardkit._core.targets import WorkerCommand
 from shardkit._run.replay import replay
 from shardkit._run.runner import fuzz
 from shardkit._transport.worker import live_worker_pids
+from tests import streams
 
 pytest.importorskip("grpc")
 
@@ -76,6 +78,21 @@ def test_the_reference_worker_passes_the_contract(build: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert "every contract check passed" in out
     assert "skipped" not in out  # it serves every role
+
+
+def test_the_reference_worker_answers_the_calls_stream_as_its_rpcs(build: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="shardkit-") as folder:  # short: a socket path has a limit
+        address = f"unix:{folder}/w.sock"
+        command = [str(build / "shard_worker"), "--listen", address]
+        with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as started:
+            assert started.stdin is not None
+            assert started.stdout is not None
+            try:
+                assert started.stdout.readline().startswith("listening on")
+                streams.check_a_stream_answers_each_call_with_its_status_and_goes_on(address)
+            finally:
+                started.stdin.close()  # the worker exits at the end of its stdin
+                started.wait(timeout=10)
 
 
 def test_the_reference_worker_survives_a_ci_sized_fuzz_run(build: Path) -> None:

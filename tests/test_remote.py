@@ -70,6 +70,7 @@ from shardkit.remote import (
     close_connections,
     serve,
 )
+from tests import streams
 from tests.planted import DelegatingEngine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -692,6 +693,10 @@ def test_the_standalone_worker_knowing_no_answers_ahead_is_asked_every_call(work
     assert rpcs[-9:] == [
         "NewEngine", "CloseEngine", "Capabilities", "Load", "Capabilities", "Prefill", "Metrics", "Decode", "Metrics"
     ]
+
+
+def test_the_standalone_worker_answers_the_calls_stream_as_its_rpcs(worker: str) -> None:
+    streams.check_a_stream_answers_each_call_with_its_status_and_goes_on(worker)
 
 
 def test_the_standalone_worker_survives_a_fuzz_run_with_every_fault(worker: str) -> None:

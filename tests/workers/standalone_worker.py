@@ -257,7 +257,37 @@ class HashEngine:
         )
 
 
+class Aborted(Exception):
+    """A call of a ``Calls`` stream ended with a gRPC status other than OK."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class OneCall:
+    """The context a method gets for one call of a ``Calls`` stream: aborting the stream's own
+    context would end every later call on it, so this one keeps the status for the answer."""
+
+    def __init__(self) -> None:
+        self.trailing_metadata: dict[str, str] = {}
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing_metadata = dict(metadata)
+
+    def abort(self, code: Any, details: str) -> None:
+        raise Aborted(code, details)
+
+
 def make_servicer(pb: Any, pb_grpc: Any) -> Any:
+    service = pb.DESCRIPTOR.services_by_name["ShardEngineService"]
+    #: What a Calls stream carries: every RPC but Handshake, with its request message.
+    streamed = {
+        method.name: getattr(pb, method.input_type.name)
+        for method in service.methods
+        if method.name not in ("Handshake", "Calls")
+    }
+
     class Servicer(pb_grpc.ShardEngineServiceServicer):  # type: ignore[misc]
         def __init__(self) -> None:
             self.engines: dict[int, HashEngine] = {}
@@ -281,7 +311,32 @@ def make_servicer(pb: Any, pb_grpc: Any) -> Any:
                 server="standalone_worker.py",
                 target="HashEngine",
                 server_id=self.server_id,
+                calls=["Calls"],  # the optional RPCs this worker has
             )
+
+        def Calls(self, calls: Any, context: Any) -> Any:
+            """Every call but Handshake over one stream: each answered, in order, with what its
+            unary RPC would have ended with."""
+            for call in calls:
+                yield self.answer(call)
+
+        def answer(self, call: Any) -> Any:
+            request_type = streamed.get(call.rpc)
+            if request_type is None:
+                details = f"Calls cannot carry a call of {call.rpc!r}"
+                return pb.Answer(status_code=grpc.StatusCode.UNIMPLEMENTED.value[0], details=details)
+            try:
+                request = request_type.FromString(call.request)
+            except Exception as error:  # protobuf's DecodeError
+                details = f"cannot decode the {call.rpc} request: not a {request_type.DESCRIPTOR.full_name} ({error})"
+                return pb.Answer(status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=details)
+            context = OneCall()
+            try:
+                response = getattr(self, call.rpc)(request, context)
+            except Aborted as aborted:
+                code = aborted.code.value[0]
+                return pb.Answer(status_code=code, details=aborted.details, trailing_metadata=context.trailing_metadata)
+            return pb.Answer(response=response.SerializeToString())
 
         def NewEngine(self, request: Any, context: Any) -> Any:
             with self.lock:
@@ -342,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     leaked = sorted(name for name in sys.modules if name == "shardkit" or name.startswith("shardkit."))
     if leaked:
         sys.exit(f"standalone_worker: shardkit was imported ({leaked}); this worker must not use it")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    # A Calls stream holds a thread for as long as it is open, and the kit opens one per thread
+    # that calls (a parallel phase has up to 3 lanes): threads enough for those and the unary calls.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     pb_grpc.add_ShardEngineServiceServicer_to_server(make_servicer(pb, pb_grpc), server)
     port = server.add_insecure_port(args.listen)
     server.start()

@@ -425,6 +425,18 @@ class Service final : public pb::ShardEngineService::Service {
     response->set_server("shard_worker (C++ reference)");
     response->set_target("cpp-hash");
     response->set_server_id(server_id_);
+    response->add_calls("Calls");  // the optional RPCs this worker has
+    return grpc::Status::OK;
+  }
+
+  // Every call but Handshake over one stream (the client keeps one per thread): each Call is run
+  // as the unary RPC it names and answered, in order, with what that RPC would have ended with.
+  // It saves the client about half of a unary RPC's cost per call.
+  grpc::Status Calls(grpc::ServerContext*, grpc::ServerReaderWriter<pb::Answer, pb::Call>* stream) override {
+    pb::Call call;
+    while (stream->Read(&call)) {
+      if (!stream->Write(AnswerTo(call))) break;
+    }
     return grpc::Status::OK;
   }
 
@@ -506,6 +518,52 @@ class Service final : public pb::ShardEngineService::Service {
   }
 
  private:
+  pb::Answer AnswerTo(const pb::Call& call) {
+    const std::string& rpc = call.rpc();
+    if (rpc == "NewEngine") return Streamed(call, &Service::NewEngine);
+    if (rpc == "CloseEngine") return Streamed(call, &Service::CloseEngine);
+    if (rpc == "Load") return Streamed(call, &Service::Load);
+    if (rpc == "Capabilities") return Streamed(call, &Service::Capabilities);
+    if (rpc == "Prefill") return Streamed(call, &Service::Prefill);
+    if (rpc == "Decode") return Streamed(call, &Service::Decode);
+    if (rpc == "Cancel") return Streamed(call, &Service::Cancel);
+    if (rpc == "Release") return Streamed(call, &Service::Release);
+    if (rpc == "Health") return Streamed(call, &Service::Health);
+    if (rpc == "Metrics") return Streamed(call, &Service::Metrics);
+    if (rpc == "InjectFault") return Streamed(call, &Service::InjectFault);
+    pb::Answer answer;
+    answer.set_status_code(grpc::StatusCode::UNIMPLEMENTED);
+    answer.set_details("Calls cannot carry a call of '" + rpc + "'");
+    return answer;
+  }
+
+  // One call of a Calls stream, run by the unary method: no ServerContext (WithEngine keeps an
+  // engine's exception type for the answer's trailing metadata instead).
+  template <class Request, class Response>
+  pb::Answer Streamed(const pb::Call& call,
+                      grpc::Status (Service::*method)(grpc::ServerContext*, const Request*, Response*)) {
+    pb::Answer answer;
+    Request request;
+    if (!request.ParseFromString(call.request())) {
+      answer.set_status_code(grpc::StatusCode::INVALID_ARGUMENT);
+      answer.set_details("cannot decode the " + call.rpc() + " request: its bytes are not a " +
+                         Request::descriptor()->full_name() + " message");
+      return answer;
+    }
+    Response response;
+    streamed_exception_type.clear();
+    grpc::Status status = (this->*method)(nullptr, &request, &response);
+    if (status.ok()) {
+      response.SerializeToString(answer.mutable_response());
+    } else {
+      answer.set_status_code(status.error_code());
+      answer.set_details(status.error_message());
+      if (!streamed_exception_type.empty())
+        (*answer.mutable_trailing_metadata())["shardkit-exception-type"] = streamed_exception_type;
+    }
+    return answer;
+  }
+
   // Runs `body` on the named engine under its own lock; an unknown id is gRPC NOT_FOUND.
   // The shared_ptr keeps the engine alive if another thread closes it meanwhile. An exception
   // out of the engine (a bug, std::bad_alloc under --worker-memory) is answered as the proto
@@ -532,7 +590,8 @@ class Service final : public pb::ShardEngineService::Service {
       std::fprintf(stderr, "shard_worker: engine %llu raised %s: %s\n", static_cast<unsigned long long>(id),
                    type.c_str(), error.what());
       std::fflush(stderr);
-      context->AddTrailingMetadata("shardkit-exception-type", type);
+      if (context != nullptr) context->AddTrailingMetadata("shardkit-exception-type", type);
+      else streamed_exception_type = type;  // a call of a Calls stream: its answer carries it
       return grpc::Status(grpc::StatusCode::INTERNAL, type + ": " + error.what());
     }
     return grpc::Status::OK;
@@ -546,11 +605,16 @@ class Service final : public pb::ShardEngineService::Service {
     return text;
   }
 
+  // The exception type of the engine call a Calls stream's thread ran last (see Streamed).
+  static thread_local std::string streamed_exception_type;
+
   const std::string server_id_;
   std::mutex mu_;  // guards engines_ and next_id_
   std::map<uint64_t, std::shared_ptr<Engine>> engines_;
   uint64_t next_id_ = 1;
 };
+
+thread_local std::string Service::streamed_exception_type;
 
 // --- the process: listen, then wait for stdin EOF or a signal ---------------------------------
 
