@@ -456,10 +456,13 @@ def test_bench_json_prints_one_object_with_the_throughput_figures(bench_json_qui
         in_process = figures["out_of_process"][f"in-process, faults {faults}"]
         assert (in_process["round_trips_per_step"], in_process["engine_calls_per_step"] >= 1) == (0.0, True)
         assert in_process["engine_calls_steps"] == in_process["steps"]  # the engines counted ran the same steps
-        for mode in ("grpc", "isolated"):
+        for mode in ("grpc", "grpc, unary", "isolated"):
             out = figures["out_of_process"][f"{mode}, faults {faults}"]
             assert out["round_trips_per_step"] >= 1, (mode, faults, out)
             assert len(out["round_trips_per_step_by_round"]) == 2
+        # The stream changes what a call costs, never which calls are made.
+        unary = figures["out_of_process"][f"grpc, unary, faults {faults}"]
+        assert unary["round_trips_per_step"] == figures["out_of_process"][f"grpc, faults {faults}"]["round_trips_per_step"]
     memory = figures["memory"]
     assert set(memory) >= {"10", "50"}, memory
     assert memory["steps"] == 10

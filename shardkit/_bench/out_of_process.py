@@ -33,12 +33,14 @@ __all__ = ["OUT_OF_PROCESS_MODES", "measure_out_of_process"]
 
 
 #: The modes of the out-of-process section, the first the one the others are compared with.
-OUT_OF_PROCESS_MODES = ("in-process", "grpc", "isolated")
+#: "grpc, unary" is a server without the ``Calls`` stream (an older one): one RPC a call.
+OUT_OF_PROCESS_MODES = ("in-process", "grpc", "grpc, unary", "isolated")
 
 
 def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
-    """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process, and isolated
-    (``--isolate``): the same seed, so the same steps, at different costs. With faults and
+    """The fake fuzzed in-process, over gRPC to a ``shardkit serve`` process (over its ``Calls``
+    stream, and RPC by RPC as to an older server), and isolated (``--isolate``): the same seed,
+    so the same steps, at different costs. With faults and
     without, the three modes interleaved over ``config.rounds`` rounds. A mode's row is its
     median round: by steps/s in-process, by how much slower than in-process otherwise (with
     the spread of that over the rounds)."""
@@ -99,8 +101,8 @@ def _fuzz_out_of_process(
 
     with contextlib.ExitStack() as stack:
         target: Any = "shardkit:FakeShardEngine"
-        if mode == "grpc":
-            target = stack.enter_context(_served_fake())
+        if mode.startswith("grpc"):
+            target = stack.enter_context(_served_fake(streamed=mode == "grpc"))
             stack.callback(close_connection, target)
         elif mode == "isolated":
             target = isolated_target(target)
@@ -179,12 +181,25 @@ class _CountedEngine(ShardEngine):
         return self._inner.inject_fault(fault)
 
 
+#: A server for the fake without the optional ``Calls`` stream, as an older one.
+_SERVE_UNARY = """
+import sys
+from shardkit._transport.server import serve
+server = serve("shardkit:FakeShardEngine", sys.argv[1], optional_calls=())
+print("serving", flush=True)
+server.wait()
+"""
+
+
 @contextlib.contextmanager
-def _served_fake() -> Iterator[str]:
-    """A ``shardkit serve`` process for the fake on a Unix socket, stopped afterwards."""
+def _served_fake(*, streamed: bool = True) -> Iterator[str]:
+    """A ``shardkit serve`` process for the fake on a Unix socket, stopped afterwards;
+    ``streamed=False``: a server without the ``Calls`` stream."""
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as folder:
         address = f"unix:{folder}/fake.sock"
         command = [sys.executable, "-m", "shardkit", "serve", "shardkit:FakeShardEngine", "--listen", address]
+        if not streamed:
+            command = [sys.executable, "-c", _SERVE_UNARY, address]
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as server:
             try:
                 assert server.stdout is not None

@@ -111,7 +111,7 @@ def _render_out_of_process(out_of_process: dict[str, Any] | str) -> list[str]:
             else f"{row['round_trips_per_step']:.2f} round trips a step"
         )
         lines.append(
-            f"  {name:<22} {row['steps_per_s']:>8,.0f} steps/s{slower}  {calls}  ({row['steps']} steps{workers})"
+            f"  {name:<26} {row['steps_per_s']:>8,.0f} steps/s{slower}  {calls}  ({row['steps']} steps{workers})"
         )
     return lines
 
