@@ -14,11 +14,13 @@ import pytest
 
 from shardkit import DecodeRequest, FakeShardEngine, FakeShardEngineConfig, LoadRequest, PrefillRequest
 from shardkit._run.runner import fuzz
+from shardkit._transport.client import round_trips
 from shardkit._transport.server import OPTIONAL_CALLS, ShardEngineServicer
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.remote import (
     EngineServer,
     RemoteDeadlineExceeded,
+    RemoteEngineCrashed,
     RemoteShardEngine,
     RemoteUnavailable,
     close_connections,
@@ -102,7 +104,7 @@ def test_each_thread_calls_on_its_own_stream_which_ends_with_the_thread(served: 
     engine.load(FULL)
     assert _stream_threads() == 1
     # Each stream has a thread at either end: the server's, and the client's (gRPC's) that sends its calls.
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())
     ready, done = threading.Barrier(3), threading.Event()
 
     def call_and_wait() -> None:
@@ -115,11 +117,13 @@ def test_each_thread_calls_on_its_own_stream_which_ends_with_the_thread(served: 
         thread.start()
     ready.wait(PROMPT)
     assert _stream_threads() == 3
+    started = set(threading.enumerate()) - threads_before
+    assert len(started) >= 6  # the two callers, and the two ends of each of their streams
     done.set()
     for thread in threads:
         thread.join(PROMPT)
     gc.collect()
-    assert _until(lambda: threading.active_count() == threads_before), "a stream outlived the thread that called on it"
+    assert _until(lambda: not any(thread.is_alive() for thread in started)), "a stream outlived the thread that called on it"
     assert _stream_threads() == 1
     close_connections()
     assert _until(lambda: _stream_threads() == 0), "a stream outlived its closed connection"
@@ -183,3 +187,48 @@ def test_a_stream_that_the_server_ends_is_dropped_and_the_error_names_the_server
     server.stop(0)
     with pytest.raises(RemoteUnavailable, match="the engine server is unreachable"):
         engine.health()
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "unary"])
+def test_calls_sent_together_answer_as_one_by_one_in_one_round_trip_on_a_stream(
+    served: Callable[..., EngineServer], streamed: bool
+) -> None:
+    server = served(optional_calls=OPTIONAL_CALLS if streamed else ())
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    alone = FakeShardEngine()
+    alone.load(FULL)
+    calls: list[tuple[str, Any]] = [
+        ("prefill", PrefillRequest("a", 0, 0, token_ids=(1, 2))),
+        ("decode", DecodeRequest("a", 0, 1, token_ids=(3,))),
+        ("decode", DecodeRequest("a", 0, 5, token_ids=(4,))),  # skips ahead: a refusal, in the answer
+        ("release", "a"),
+    ]
+    before = round_trips()
+    answered = list(engine.calls_together(calls))
+    assert round_trips() - before == (1 if streamed else 4)
+    expected = [getattr(alone, name)(argument) for name, argument in calls]
+    assert answered == expected
+    assert answered[2].status.code.name == "FAILED_PRECONDITION"
+
+
+def test_an_error_among_calls_sent_together_is_raised_in_its_place_and_the_stream_stays_in_step(
+    served: Callable[..., EngineServer],
+) -> None:
+    server = served(lambda: FakeShardEngine(FakeShardEngineConfig(crash_after_calls=1)))
+    engine = RemoteShardEngine(server.url)
+    engine.load(FULL)
+    answers = engine.calls_together(
+        [
+            ("prefill", PrefillRequest("a", 0, 0, token_ids=(1,))),
+            ("decode", DecodeRequest("a", 0, 1, token_ids=(2,))),
+            ("release", "a"),
+        ]
+    )
+    assert next(answers).status.ok
+    with pytest.raises(RemoteEngineCrashed, match=r"decode\(session='a', epoch=0, step=1, 1 token\(s\)\): the engine raised"):
+        next(answers)
+    # Every answer was read: the next call on this thread's stream gets its own.
+    other = RemoteShardEngine(server.url)
+    assert other.load(FULL).status.ok
+    assert other.health().serving

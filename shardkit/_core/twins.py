@@ -35,9 +35,10 @@ the memo; the engine under test is only compared to it (``shardkit._core.output_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
 
 from shardkit._core.checks import HistoryMemo, Payload, Tolerance, output_problems, payload_difference, payloads_of
 from shardkit._core.model import StepRequest
@@ -134,6 +135,14 @@ def chunk_pieces(start: int, end: int) -> Iterator[tuple[int, int]]:
         start += length
 
 
+@runtime_checkable
+class _TakesCallsTogether(Protocol):
+    """An engine that takes several calls at once (``RemoteShardEngine.calls_together``): one
+    round trip for a twin's steps in a row, where each would be one."""
+
+    def calls_together(self, calls: Sequence[tuple[str, Any]]) -> Iterator[StepResult | StructuredStatus]: ...
+
+
 @dataclass
 class _Stage:
     engine: ShardEngine
@@ -173,20 +182,55 @@ class _Feed:
     def send(self, history: tuple[int, ...], start: int, end: int) -> tuple[range | list[int], list[Payload]]:
         """Feed ``history[start:end]`` as the next step: the payloads and the history
         lengths they speak for."""
-        piece = history[start:end]
-        op = "decode" if start > 0 and len(piece) == 1 else "prefill"
-        action = step_action(op, self.session, 0, self.steps, piece)
+        action = step_action(self._op(start, end), self.session, 0, self.steps, history[start:end])
         payloads = _feed(self.stages, action)
         self.steps += 1
-        ends = range(start + 1, end + 1) if len(payloads) == len(piece) else [end]
-        return ends, payloads
+        return self._ends(start, end, payloads), payloads
+
+    def send_all(
+        self, history: tuple[int, ...], pieces: Sequence[tuple[int, int]], *, release: bool = False
+    ) -> Iterator[tuple[range | list[int], list[Payload]]]:
+        """``send`` of each of ``pieces`` in turn, then ``release`` if asked: to one engine that
+        takes calls together, sent at once, and judged in the same order, one by one."""
+        engine = self.stages[0].engine
+        if len(self.stages) != 1 or not isinstance(engine, _TakesCallsTogether) or len(pieces) + release < 2:
+            for start, end in pieces:
+                yield self.send(history, start, end)
+            if release:
+                self.release()
+            return
+        stage = self.stages[0]
+        sent: list[tuple[int, int, Action, StepRequest]] = []
+        for start, end in pieces:
+            action = step_action(self._op(start, end), self.session, 0, self.steps + len(sent), history[start:end])
+            sent.append((start, end, action, build_request(action, stage.caps, stage.rows_dtype)))
+        calls: list[tuple[str, Any]] = [(action.op, request) for _, _, action, request in sent]
+        answers = engine.calls_together([*calls, *([("release", self.session)] if release else [])])
+        for start, end, action, request in sent:
+            result = _checked(stage, request, action, next(answers))
+            self.steps += 1
+            assert result.output is not None
+            payloads = payloads_of(result.output, end - start)
+            yield self._ends(start, end, payloads), payloads
+        if release:
+            self._released(stage, next(answers))
+
+    @staticmethod
+    def _op(start: int, end: int) -> str:
+        return "decode" if start > 0 and end - start == 1 else "prefill"
+
+    @staticmethod
+    def _ends(start: int, end: int, payloads: list[Payload]) -> range | list[int]:
+        return range(start + 1, end + 1) if len(payloads) == end - start else [end]
 
     def release(self) -> None:
         for stage in self.stages:
-            released = stage.engine.release(self.session)
-            if not isinstance(released, StructuredStatus) or not released.ok:
-                message = f"a fresh twin ({stage.label}) answered release({self.session!r}) with {released!r}, not OK"
-                raise OracleFailure("§3 twin oracle", message)
+            self._released(stage, stage.engine.release(self.session))
+
+    def _released(self, stage: _Stage, released: object) -> None:
+        if not isinstance(released, StructuredStatus) or not released.ok:
+            message = f"a fresh twin ({stage.label}) answered release({self.session!r}) with {released!r}, not OK"
+            raise OracleFailure("§3 twin oracle", message)
 
 
 @dataclass
@@ -239,12 +283,12 @@ class TwinSession:
         ``chunked`` twin each chunk now complete, both up to ``EAGER_TOKENS``."""
         assert self.continues(history, self.epoch), "a twin only ever moves forward"
         eager_end = min(len(history), EAGER_TOKENS)
-        for position in range(len(self.fed), eager_end):
-            ends, payloads = self.stepwise.send(history, position, position + 1)
+        steps = [(position, position + 1) for position in range(len(self.fed), eager_end)]
+        for ends, payloads in self.stepwise.send_all(history, steps):
             _remember(memo, history, "stepwise", ends, payloads)
         self.fed = history
-        for piece_start, piece_end in chunk_pieces(self.chunked_to, eager_end):
-            ends, payloads = self.chunked.send(history, piece_start, piece_end)
+        chunks = [*chunk_pieces(self.chunked_to, eager_end)]
+        for (_, piece_end), (ends, payloads) in zip(chunks, self.chunked.send_all(history, chunks), strict=True):
             _remember(memo, history, "chunked", ends, payloads)
             self.chunked_to = piece_end
 
@@ -316,19 +360,16 @@ class OneShotTwin:
             pieces = [*chunk_pieces(0, len(history))]
             last = pieces[-1][1] if pieces else 0
             pieces += [(last, len(history))] if last < len(history) else []
-        for start, end in pieces:
-            _remember(memo, history, path, *feed.send(history, start, end))
-        feed.release()
+        for ends, payloads in feed.send_all(history, pieces, release=True):
+            _remember(memo, history, path, ends, payloads)
 
     def fed(self, history: tuple[int, ...], pieces: list[tuple[int, int]]) -> dict[tuple[int, ...], Payload]:
         """The answers to ``history`` fed in ``pieces`` ((start, end), one step each) as one
         session, by the history each answer speaks for."""
         feed = self._session()
         answers: dict[tuple[int, ...], Payload] = {}
-        for start, end in pieces:
-            ends, payloads = feed.send(history, start, end)
+        for ends, payloads in feed.send_all(history, pieces, release=True):
             answers.update((history[:position], payload) for position, payload in zip(ends, payloads, strict=True))
-        feed.release()
         return answers
 
     def _session(self) -> _Feed:
@@ -382,6 +423,11 @@ def _feed(stages: list[_Stage], action: Action) -> list[Payload]:
 
 def _send(stage: _Stage, request: StepRequest, action: Action) -> StepResult:
     result = stage.engine.prefill(request) if isinstance(request, PrefillRequest) else stage.engine.decode(request)
+    return _checked(stage, request, action, result)
+
+
+def _checked(stage: _Stage, request: StepRequest, action: Action, result: object) -> StepResult:
+    """``result``, which ``stage`` answered to ``request``, if it is a good answer."""
     if not isinstance(result, StepResult) or not isinstance(result.status, StructuredStatus):
         message = f"a fresh twin ({stage.label}) returned {result!r} for {action.describe()}, not a StepResult"
         raise OracleFailure("§3 twin oracle", message)

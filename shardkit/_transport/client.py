@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -176,14 +177,56 @@ class _Connection:
         except grpc.RpcError as error:
             raise self.translate(error, operation, timeout) from error
 
-    def _streamed(self, operation: str, rpc: str, request: Any, timeout: float) -> Any:
-        """``call`` over the calling thread's ``Calls`` stream, with the same answers and errors."""
+    def call_all(self, calls: list[tuple[str, str, Any]], timeout: float) -> list[Any]:
+        """The answers to ``calls`` ((operation, rpc, request)) in order, each the response
+        ``call`` would return or the ``RemoteEngineError`` it would raise. On the thread's
+        ``Calls`` stream all are sent before the first answer is awaited: one round trip, though
+        the server still runs them one after another. Without the stream they are called one
+        by one, up to the first that fails."""
+        if not self.streamed or len(calls) < 2:
+            answers: list[Any] = []
+            for operation, rpc, request in calls:
+                try:
+                    answers.append(self.call(operation, rpc, request, timeout))
+                except RemoteEngineError as error:
+                    answers.append(error)
+                    break
+            return answers
+        if self.closed:
+            operation = calls[0][0]
+            message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
+            raise RemoteUnavailable(message, address=self.url, operation=operation)
+        _ROUND_TRIPS.add()
+        stream = self._thread_stream()
+        for _, rpc, request in calls:
+            stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()))
+        answers = []
+        for operation, rpc, _ in calls:
+            try:
+                answers.append(self._answer(stream, operation, rpc, timeout))
+            except RemoteEngineError as error:
+                answers.append(error)
+                if stream.ended:  # the stream failed: no later answer comes
+                    break
+        return answers
+
+    def _thread_stream(self) -> _CallStream:
         stream: _CallStream | None = getattr(self._streams, "stream", None)
         if stream is None:
             stream = self._streams.stream = _CallStream(self.channel)
             self._open_streams.add(stream)
+        return stream
+
+    def _streamed(self, operation: str, rpc: str, request: Any, timeout: float) -> Any:
+        """``call`` over the calling thread's ``Calls`` stream, with the same answers and errors."""
+        stream = self._thread_stream()
+        stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()))
+        return self._answer(stream, operation, rpc, timeout)
+
+    def _answer(self, stream: _CallStream, operation: str, rpc: str, timeout: float) -> Any:
+        """The answer to the oldest call sent on ``stream`` and not yet answered."""
         try:
-            answer = stream.ask(pb.Call(rpc=rpc, request=request.SerializeToString()), timeout)
+            answer = stream.receive(timeout)
         except grpc.RpcError as error:
             self._drop_stream(stream)
             if stream.expired:
@@ -321,6 +364,7 @@ class _CallStream:
     failure, when its connection closes, or when its thread ends and the stream is collected."""
 
     def __init__(self, channel: Any) -> None:
+        self.ended = False
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         open_stream = channel.stream_stream(
             f"/{pb.DESCRIPTOR.services_by_name['ShardEngineService'].full_name}/{_STREAM_RPC}",
@@ -332,10 +376,13 @@ class _CallStream:
         self.expired = False
         self._end = weakref.finalize(self, self._calls.put, None)
 
-    def ask(self, call: Any, timeout: float) -> Any:
-        """Send ``call`` and wait for its answer; a ``grpc.RpcError`` if the stream fails or the
-        answer is not there within ``timeout`` seconds (``expired`` then says so)."""
+    def send(self, call: Any) -> None:
         self._calls.put(call)
+
+    def receive(self, timeout: float) -> Any:
+        """The answer to the oldest call sent and not yet answered; a ``grpc.RpcError`` if the
+        stream fails or the answer is not there within ``timeout`` seconds (``expired`` then
+        says so)."""
         with _WATCHDOG.watching(self, timeout):
             return next(self._answers)
 
@@ -344,6 +391,7 @@ class _CallStream:
         self._answers.cancel()
 
     def end(self) -> None:
+        self.ended = True
         self._end()
 
 
@@ -726,6 +774,40 @@ class RemoteShardEngine(ShardEngine):
 
         response = self._changing(operation, "Release", build)
         return self._decode(operation, lambda: codec.status_from_pb(response))
+
+    def calls_together(self, calls: Sequence[tuple[str, Any]]) -> Iterator[StepResult | StructuredStatus]:
+        """``prefill`` or ``decode`` of a request, or ``release`` of a session id, for each
+        (name, argument) of ``calls``, in order: the answers, and the first error where the
+        call would raise it. Sent together (``_Connection.call_all``): one round trip for them
+        all to a server with the ``Calls`` stream. The kit's twins feed an engine this way."""
+        prepared: list[tuple[str, str, Any]] = []
+        for name, argument in calls:
+            if name == "release":
+                message = pb.ReleaseCall(engine_id=self.engine_id, session_id=argument)
+                prepared.append((f"release(session={argument!r})", "Release", message))
+            else:
+                message = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(argument))
+                prepared.append((_step_text(name, argument), name.capitalize(), message))
+        numbers = [self._order.begin(rpc)[0] for _, rpc, _ in prepared]
+        failed = True
+        try:
+            answers = self._connection.call_all(prepared, self.timeout_seconds)
+            failed = len(answers) < len(prepared) or any(isinstance(answer, RemoteEngineError) for answer in answers)
+        finally:
+            for number in numbers:
+                self._order.end(number, failed=failed)
+        return self._in_order(prepared, answers)
+
+    def _in_order(self, prepared: list[tuple[str, str, Any]], answers: list[Any]) -> Iterator[StepResult | StructuredStatus]:
+        for (operation, rpc, _), answer in zip(prepared, answers, strict=False):
+            if isinstance(answer, (RemoteUnavailable, RemoteEngineEvicted)) and self.loss_ends_run:
+                raise _lost(answer) from answer
+            if isinstance(answer, RemoteEngineError):
+                raise answer
+            if rpc == "Release":
+                yield self._decode(operation, functools.partial(codec.status_from_pb, answer))
+            else:
+                yield self._decode(operation, functools.partial(codec.step_result_from_pb, answer))
 
     def health(self) -> HealthResult:
         response = self._call("health()", "Health", self._ref)
