@@ -14,7 +14,7 @@ import pytest
 
 from shardkit import DecodeRequest, FakeShardEngine, FakeShardEngineConfig, LoadRequest, PrefillRequest
 from shardkit._run.runner import fuzz
-from shardkit._transport.client import round_trips
+from shardkit._transport.client import calls_sent, round_trips
 from shardkit._transport.server import OPTIONAL_CALLS, ShardEngineServicer
 from shardkit.proto import shard_engine_pb2 as pb
 from shardkit.remote import (
@@ -204,9 +204,9 @@ def test_calls_sent_together_answer_as_one_by_one_in_one_round_trip_on_a_stream(
         ("decode", DecodeRequest("a", 0, 5, token_ids=(4,))),  # skips ahead: a refusal, in the answer
         ("release", "a"),
     ]
-    before = round_trips()
+    before, sent_before = round_trips(), calls_sent()
     answered = list(engine.calls_together(calls))
-    assert round_trips() - before == (1 if streamed else 4)
+    assert (round_trips() - before, calls_sent() - sent_before) == ((1 if streamed else 4), 4)
     expected = [getattr(alone, name)(argument) for name, argument in calls]
     assert answered == expected
     assert answered[2].status.code.name == "FAILED_PRECONDITION"

@@ -52,7 +52,8 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
     for faults in ("all", "none"):
         workers: list[int] = []
         trips: dict[str, list[int]] = {mode: [] for mode in OUT_OF_PROCESS_MODES}
-        run = partial(_fuzz_out_of_process, config, faults, workers, trips)
+        calls: dict[str, list[int]] = {mode: [] for mode in OUT_OF_PROCESS_MODES}
+        run = partial(_fuzz_out_of_process, config, faults, workers, trips, calls)
         timed = timing.interleaved(
             {mode: partial(timing.timed, partial(run, mode)) for mode in OUT_OF_PROCESS_MODES}, config.rounds
         )
@@ -81,6 +82,7 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
                     "slower_max": spread["max"],
                     # Every round runs the same steps; the median round's calls.
                     "round_trips_per_step": _per_step(trips[mode][middle], runs[middle].steps),
+                    "calls_per_step": _per_step(calls[mode][middle], runs[middle].steps),
                     "round_trips_per_step_by_round": [
                         _per_step(count, one.steps) for count, one in zip(trips[mode], runs, strict=True)
                     ],
@@ -92,11 +94,16 @@ def measure_out_of_process(config: BenchSettings) -> dict[str, Any] | str:
 
 
 def _fuzz_out_of_process(
-    config: BenchSettings, faults: str, workers: list[int], trips: dict[str, list[int]], mode: str
+    config: BenchSettings,
+    faults: str,
+    workers: list[int],
+    trips: dict[str, list[int]],
+    calls: dict[str, list[int]],
+    mode: str,
 ) -> int:
-    """One run of the fake in ``mode``; it adds the gRPC calls it sent to ``trips[mode]``, and
-    an isolated run the workers it started to ``workers``."""
-    from shardkit._transport.client import close_connection, round_trips
+    """One run of the fake in ``mode``; it adds its round trips to ``trips[mode]``, the calls it
+    sent to ``calls[mode]``, and an isolated run the workers it started to ``workers``."""
+    from shardkit._transport.client import calls_sent, close_connection, round_trips
     from shardkit._transport.isolation import isolated_target
 
     with contextlib.ExitStack() as stack:
@@ -107,9 +114,10 @@ def _fuzz_out_of_process(
         elif mode == "isolated":
             target = isolated_target(target)
             stack.callback(target.isolation.close)
-        before = round_trips()
+        before, sent_before = round_trips(), calls_sent()
         result = fuzz(target, seed=config.seed, examples=config.examples, steps=config.steps, faults=faults)
         trips[mode].append(round_trips() - before)
+        calls[mode].append(calls_sent() - sent_before)
         if mode == "isolated":
             workers.append(target.isolation.workers_started)
         return result.steps

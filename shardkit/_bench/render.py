@@ -108,7 +108,7 @@ def _render_out_of_process(out_of_process: dict[str, Any] | str) -> list[str]:
         calls = (
             f"{row['engine_calls_per_step']:.2f} engine calls a step, no round trip"
             if "engine_calls_per_step" in row
-            else f"{row['round_trips_per_step']:.2f} round trips a step"
+            else f"{row['round_trips_per_step']:.2f} round trips a step ({row['calls_per_step']:.2f} calls)"
         )
         lines.append(
             f"  {name:<26} {row['steps_per_s']:>8,.0f} steps/s{slower}  {calls}  ({row['steps']} steps{workers})"

@@ -81,6 +81,7 @@ __all__ = [
     "RemoteProtocolError",
     "RemoteShardEngine",
     "RemoteUnavailable",
+    "calls_sent",
     "close_connection",
     "close_connections",
     "parse_address",
@@ -102,26 +103,34 @@ _RESPONSE_TYPES: Mapping[str, Any] = MappingProxyType(
 _STATUS_CODES: Mapping[int, Any] = MappingProxyType({code.value[0]: code for code in grpc.StatusCode})
 
 
-class _RoundTrips:
-    """The gRPC calls this process has sent, over every connection (``round_trips``)."""
+class _Count:
+    """A count of what this process sent, over every connection (``round_trips``, ``calls_sent``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
 
-    def add(self) -> None:
+    def add(self, calls: int = 1) -> None:
         with self._lock:
-            self.count += 1
+            self.count += calls
 
 
-_ROUND_TRIPS = _RoundTrips()
+_ROUND_TRIPS = _Count()
+_CALLS_SENT = _Count()
 
 
 def round_trips() -> int:
-    """How many gRPC calls this process has sent to shard servers, over every connection: a
-    run's round trips are the difference before and after it (``shardkit bench`` divides
-    them by the run's steps)."""
+    """How many times this process has sent shard servers calls and waited for their
+    answers, over every connection: a unary RPC is one round trip, and so are calls sent
+    together on a stream (``_Connection.call_all``). A run's round trips are the difference
+    before and after it (``shardkit bench`` divides them by the run's steps)."""
     return _ROUND_TRIPS.count
+
+
+def calls_sent() -> int:
+    """How many calls this process has sent to shard servers, each RPC and each call of a
+    ``Calls`` stream, over every connection: ``round_trips`` or more."""
+    return _CALLS_SENT.count
 
 
 def parse_address(address: str) -> tuple[str, str]:
@@ -170,6 +179,7 @@ class _Connection:
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
         _ROUND_TRIPS.add()
+        _CALLS_SENT.add()
         if self.streamed and not wait_for_ready and rpc != "Handshake":
             return self._streamed(operation, rpc, request, timeout)
         try:
@@ -197,6 +207,7 @@ class _Connection:
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
         _ROUND_TRIPS.add()
+        _CALLS_SENT.add(len(calls))
         stream = self._thread_stream()
         for _, rpc, request in calls:
             stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()))
@@ -342,6 +353,7 @@ class _Connection:
             # Not waited for: a lost CloseEngine only leaves an idle engine on the server. The
             # future is kept until done, since gRPC cancels a call whose future is collected.
             _ROUND_TRIPS.add()
+            _CALLS_SENT.add()
             closing = self.stub.CloseEngine.future(pb.EngineRef(engine_id=engine_id), timeout=timeout)
             with self._lock:
                 self.closing.add(closing)
