@@ -690,15 +690,7 @@ class _CallThreads(futures.ThreadPoolExecutor):
 
     def _serve_calls(self) -> None:
         while (item := self._calls.get()) is not None:
-            future, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = call()
-            except BaseException as error:  # the future carries it to whoever waits on it
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+            _run_into(*item)
 
 
 class _Rpc:
