@@ -43,6 +43,9 @@ the kit and reported as a finding or as one of the errors here.
   whose session was cancelled while it ran; the engine answers it as CANCELLED.
 - ``_Aborted`` (``shardkit._transport.server``): a call of a ``Calls`` stream ended with a gRPC
   status; the stream answers that call with it and goes on.
+- ``_SocketFailure`` (``shardkit._transport.calls_socket``): a worker's plain calls socket
+  failed or an answer on it is overdue, raised as a failed gRPC call so that the client
+  reads it as one (``RemoteUnavailable``, ``RemoteDeadlineExceeded``).
 """
 
 from __future__ import annotations

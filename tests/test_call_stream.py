@@ -51,13 +51,13 @@ def served() -> Iterator[Callable[..., EngineServer]]:
 def streamed_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The RPC of every call that servers in this process answered from a ``Calls`` stream."""
     answered: list[str] = []
-    answer = ShardEngineServicer._streamed_answer
+    answer = ShardEngineServicer.streamed_answer
 
     def recording(self: ShardEngineServicer, call: pb.Call) -> pb.Answer:
         answered.append(call.rpc)
         return answer(self, call)
 
-    monkeypatch.setattr(ShardEngineServicer, "_streamed_answer", recording)
+    monkeypatch.setattr(ShardEngineServicer, "streamed_answer", recording)
     return answered
 
 

@@ -39,12 +39,13 @@ LOWER_LAYERS = (
 #: and the isolation front end above the client; the server never reaches a worker.
 TRANSPORT_LAYERS = {
     "codec": set(),
-    "client": {"codec"},
-    "resolve": {"client", "codec"},
-    "server": {"resolve", "client", "codec"},
+    "calls_socket": set(),
+    "client": {"codec", "calls_socket"},
+    "resolve": {"client", "codec", "calls_socket"},
+    "server": {"resolve", "client", "codec", "calls_socket"},
     "forkserver": set(),
-    "worker": {"client", "codec", "forkserver"},
-    "isolation": {"resolve", "worker", "client", "codec", "forkserver"},
+    "worker": {"client", "codec", "calls_socket", "forkserver"},
+    "isolation": {"resolve", "worker", "client", "codec", "calls_socket", "forkserver"},
 }
 
 #: The semantics and the public modules the transport rests on.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -370,9 +371,9 @@ def test_a_run_that_finds_nothing_recomputes_each_history_once(monkeypatch: pyte
     recomputed: list[tuple[int, ...]] = []
     recompute = OutputChecks._recompute
 
-    def counted(self: OutputChecks, history: tuple[int, ...]) -> None:
+    def counted(self: OutputChecks, history: tuple[int, ...]) -> Callable[[], None]:
         recomputed.append(history)
-        recompute(self, history)
+        return recompute(self, history)
 
     monkeypatch.setattr(OutputChecks, "_recompute", counted)
     assert fuzz(FakeShardEngine, seed=seed, examples=60, steps=30, role="full").failure is None

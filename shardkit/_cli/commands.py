@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, check_isolation_options, for_command
 from shardkit._core.targets import (
@@ -135,6 +136,7 @@ def contract_command(args: argparse.Namespace) -> int:
 
 def serve_command(args: argparse.Namespace) -> int:
     try:
+        from shardkit._transport.calls_socket import calls_socket_path
         from shardkit._transport.server import binds_loopback_only, parse_listen, serve
     except ImportError as error:
         message = f"shardkit serve: needs the grpc extra ({error}); pip install 'shardkit[grpc]'"
@@ -154,7 +156,10 @@ def serve_command(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, sys.stderr, all_threads=True)
         watch_parent(sys.stdin.fileno())
     target = resolve_target(args.target)
-    options = {} if args.max_engines is None else {"max_engines": args.max_engines}
+    options: dict[str, Any] = {} if args.max_engines is None else {"max_engines": args.max_engines}
+    if args.worker:
+        # The kit's own calls go over a plain socket beside the gRPC one (calls_socket.py).
+        options["calls_socket"] = calls_socket_path(args.listen)
     server = serve(target, args.listen, log=sys.stderr, fatal_exceptions=args.worker, **options)
     if host is not None and not binds_loopback_only(host):
         warning = (

@@ -309,19 +309,25 @@ class OutputChecks(StepContext):
     def _twin_layers(self) -> str:
         return f"{self.load_request.shard_start}..{self.load_request.shard_end}"
 
-    def _recompute(self, history: tuple[int, ...]) -> None:
-        """The recompute of ``history`` on the example's recompute twin. If the twin fails at
-        it, the sessions it served before may have led it astray: a fresh engine tries; if
-        that one answers, it takes over (and the run says so), else its failure stands."""
+    def _recompute(self, history: tuple[int, ...]) -> Callable[[], None]:
+        """The recompute of ``history`` on the example's recompute twin, sent now where it
+        takes calls together; the function returned judges it. If the twin fails at it, the
+        sessions it served before may have led it astray: a fresh engine tries; if that one
+        answers, it takes over (and the run says so), else its failure stands."""
         twin = self._one_shot()
-        try:
-            twin.answer("recompute", history, self.memo)
-        except OracleFailure as failure:
-            if twin.sessions == 1:
-                raise
-            self.one_shot = None
-            self._one_shot().answer("recompute", history, self.memo)
-            self._leaky_recompute(f"the twin recomputing each history failed at {list(history)} ({failure})")
+        answered = twin.answer_later("recompute", history, self.memo)
+
+        def judged() -> None:
+            try:
+                answered()
+            except OracleFailure as failure:
+                if twin.sessions == 1:
+                    raise
+                self.one_shot = None
+                self._one_shot().answer("recompute", history, self.memo)
+                self._leaky_recompute(f"the twin recomputing each history failed at {list(history)} ({failure})")
+
+        return judged
 
     def _leaky_recompute(self, what: str) -> None:
         self.caveats.add(LEAKY_RECOMPUTE)
@@ -380,10 +386,20 @@ class OutputChecks(StepContext):
         # Seen before: every twin that follows sessions has answered it already. (The chunked
         # twin answers only where a chunk ends: it is not waited for.)
         seen = "stepwise" in known or (len(history) > EAGER_TOKENS and "recompute" in known)
-        if "recompute" not in known:
-            self._recompute(history)
-        if seen:
-            return None
+        twin = None if seen else self._following_twin(session_id, session, history)
+        # The recompute, then the twins that follow the session: to engines on a server with
+        # the Calls stream, all sent before the first answer is awaited (one round trip).
+        recomputed = self._recompute(history) if "recompute" not in known else None
+        advanced = twin.advance(history, self.memo) if twin is not None else None
+        if recomputed is not None:
+            recomputed()
+        if advanced is not None:
+            advanced()
+        return twin
+
+    def _following_twin(self, session_id: str, session: SessionState, history: tuple[int, ...]) -> TwinSession:
+        """The twins that follow ``session``, started afresh unless they have been fed a
+        beginning of ``history`` in its epoch."""
         twin = self.twins.get(session_id)
         if twin is None or not twin.continues(history, session.epoch):
             twin = TwinSession.start(
@@ -393,7 +409,6 @@ class OutputChecks(StepContext):
             if twin.pipeline_refused is not None:
                 self.split_twins = False
                 self.caveats.add(f"composition (docs/contract.md#composition): {twin.pipeline_refused}")
-        twin.advance(history, self.memo)
         return twin
 
     def _asking_twins(self, ask: Callable[[], T]) -> T:

@@ -190,15 +190,14 @@ class _Feed:
     def send_all(
         self, history: tuple[int, ...], pieces: Sequence[tuple[int, int]], *, release: bool = False
     ) -> Iterator[tuple[range | list[int], list[Payload]]]:
-        """``send`` of each of ``pieces`` in turn, then ``release`` if asked: to one engine that
-        takes calls together, sent at once, and judged in the same order, one by one."""
+        """``send`` of each of ``pieces`` in turn, then ``release`` if asked, each judged as the
+        iterator reaches it. To an engine that takes calls together they are all sent now,
+        before any answer is awaited (with whatever else goes to its server before that), and
+        judged in the same order, one by one; to any other, each is made as the iterator
+        reaches it."""
         engine = self.stages[0].engine
-        if len(self.stages) != 1 or not isinstance(engine, _TakesCallsTogether) or len(pieces) + release < 2:
-            for start, end in pieces:
-                yield self.send(history, start, end)
-            if release:
-                self.release()
-            return
+        if len(self.stages) != 1 or not isinstance(engine, _TakesCallsTogether):
+            return self._one_by_one(history, pieces, release)
         stage = self.stages[0]
         sent: list[tuple[int, int, Action, StepRequest]] = []
         for start, end in pieces:
@@ -206,6 +205,23 @@ class _Feed:
             sent.append((start, end, action, build_request(action, stage.caps, stage.rows_dtype)))
         calls: list[tuple[str, Any]] = [(action.op, request) for _, _, action, request in sent]
         answers = engine.calls_together([*calls, *([("release", self.session)] if release else [])])
+        return self._judged(stage, sent, answers, release)
+
+    def _one_by_one(
+        self, history: tuple[int, ...], pieces: Sequence[tuple[int, int]], release: bool
+    ) -> Iterator[tuple[range | list[int], list[Payload]]]:
+        for start, end in pieces:
+            yield self.send(history, start, end)
+        if release:
+            self.release()
+
+    def _judged(
+        self,
+        stage: _Stage,
+        sent: list[tuple[int, int, Action, StepRequest]],
+        answers: Iterator[StepResult | StructuredStatus],
+        release: bool,
+    ) -> Iterator[tuple[range | list[int], list[Payload]]]:
         for start, end, action, request in sent:
             result = _checked(stage, request, action, next(answers))
             self.steps += 1
@@ -278,19 +294,27 @@ class TwinSession:
         """Whether this twin has been fed a beginning of ``history`` in ``epoch``."""
         return self.epoch == epoch and history[: len(self.fed)] == self.fed
 
-    def advance(self, history: tuple[int, ...], memo: HistoryMemo) -> None:
+    def advance(self, history: tuple[int, ...], memo: HistoryMemo) -> Callable[[], None]:
         """Feed the ``stepwise`` twin the part of ``history`` it has not seen, and the
-        ``chunked`` twin each chunk now complete, both up to ``EAGER_TOKENS``."""
+        ``chunked`` twin each chunk now complete, both up to ``EAGER_TOKENS``: what takes
+        calls together is sent now (``_Feed.send_all``); the function returned judges the
+        answers and remembers them in ``memo``, and must be called before the next advance."""
         assert self.continues(history, self.epoch), "a twin only ever moves forward"
         eager_end = min(len(history), EAGER_TOKENS)
         steps = [(position, position + 1) for position in range(len(self.fed), eager_end)]
-        for ends, payloads in self.stepwise.send_all(history, steps):
-            _remember(memo, history, "stepwise", ends, payloads)
-        self.fed = history
+        stepwise = self.stepwise.send_all(history, steps)
         chunks = [*chunk_pieces(self.chunked_to, eager_end)]
-        for (_, piece_end), (ends, payloads) in zip(chunks, self.chunked.send_all(history, chunks), strict=True):
-            _remember(memo, history, "chunked", ends, payloads)
-            self.chunked_to = piece_end
+        chunked = self.chunked.send_all(history, chunks)
+
+        def judged() -> None:
+            for ends, payloads in stepwise:
+                _remember(memo, history, "stepwise", ends, payloads)
+            self.fed = history
+            for (_, piece_end), (ends, payloads) in zip(chunks, chunked, strict=True):
+                _remember(memo, history, "chunked", ends, payloads)
+                self.chunked_to = piece_end
+
+        return judged
 
     def compose(
         self,
@@ -351,6 +375,11 @@ class OneShotTwin:
     def answer(self, path: str, history: tuple[int, ...], memo: HistoryMemo) -> None:
         """Answer ``history`` (and the prefixes an output row speaks for) by ``path``; the
         ``chunked`` path's last chunk is cut where the history ends."""
+        self.answer_later(path, history, memo)()
+
+    def answer_later(self, path: str, history: tuple[int, ...], memo: HistoryMemo) -> Callable[[], None]:
+        """``answer``, its calls sent now where the engine takes calls together
+        (``_Feed.send_all``): the function returned judges the answers and remembers them."""
         feed = self._session()
         if path == "recompute":
             pieces: list[tuple[int, int]] = [(0, len(history))]
@@ -360,8 +389,13 @@ class OneShotTwin:
             pieces = [*chunk_pieces(0, len(history))]
             last = pieces[-1][1] if pieces else 0
             pieces += [(last, len(history))] if last < len(history) else []
-        for ends, payloads in feed.send_all(history, pieces, release=True):
-            _remember(memo, history, path, ends, payloads)
+        answered = feed.send_all(history, pieces, release=True)
+
+        def judged() -> None:
+            for ends, payloads in answered:
+                _remember(memo, history, path, ends, payloads)
+
+        return judged
 
     def fed(self, history: tuple[int, ...], pieces: list[tuple[int, int]]) -> dict[tuple[int, ...], Payload]:
         """The answers to ``history`` fed in ``pieces`` ((start, end), one step each) as one

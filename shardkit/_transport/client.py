@@ -44,6 +44,7 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 
 from shardkit._core.targets import DEFAULT_STEP_TIMEOUT, RemoteAddress, ResolvedTarget, check_seconds
 from shardkit._transport import codec
+from shardkit._transport.calls_socket import SocketStream
 from shardkit._version import __version__
 from shardkit.contract import (
     DecodeRequest,
@@ -151,7 +152,7 @@ def parse_address(address: str) -> tuple[str, str]:
 class _Connection:
     """One channel to one server, handshaken, shared by every engine on that address."""
 
-    def __init__(self, url: str, dial: str) -> None:
+    def __init__(self, url: str, dial: str, calls_socket: str | None = None) -> None:
         self.url = url
         self.channel = grpc.insecure_channel(dial, options=codec.GRPC_OPTIONS)
         self.stub = pb_grpc.ShardEngineServiceStub(self.channel)  # type: ignore[no-untyped-call]
@@ -164,8 +165,11 @@ class _Connection:
         #: Whether the server has ``Calls`` (its handshake says so): then every call but the
         #: handshake goes over a stream of the calling thread's (``_CallStream``).
         self.streamed = False
+        #: A worker's plain socket for the calls (``calls_socket.py``), used instead of gRPC
+        #: streams when the handshake lists ``Calls``; None: gRPC streams.
+        self.calls_socket = calls_socket
         self._streams = threading.local()
-        self._open_streams: weakref.WeakSet[_CallStream] = weakref.WeakSet()
+        self._open_streams: weakref.WeakSet[_CallStream | SocketStream] = weakref.WeakSet()
         self.closed = False
         #: Whether the last engine loaded through this connection was asked ``capabilities()``
         #: right after ``load``, as the kit asks every engine: then ``load`` asks for them ahead.
@@ -178,63 +182,91 @@ class _Connection:
         if self.closed:
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
-        _ROUND_TRIPS.add()
         _CALLS_SENT.add()
         if self.streamed and not wait_for_ready and rpc != "Handshake":
-            return self._streamed(operation, rpc, request, timeout)
+            stream = self._thread_stream()
+            return self._send(stream, operation, rpc, request, timeout).result()
+        _ROUND_TRIPS.add()
         try:
             return getattr(self.stub, rpc)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.RpcError as error:
             raise self.translate(error, operation, timeout) from error
 
-    def call_all(self, calls: list[tuple[str, str, Any]], timeout: float) -> list[Any]:
-        """The answers to ``calls`` ((operation, rpc, request)) in order, each the response
-        ``call`` would return or the ``RemoteEngineError`` it would raise. On the thread's
-        ``Calls`` stream all are sent before the first answer is awaited: one round trip, though
-        the server still runs them one after another. Without the stream they are called one
-        by one, up to the first that fails."""
-        if not self.streamed or len(calls) < 2:
-            answers: list[Any] = []
+    def call_all(self, calls: list[tuple[str, str, Any]], timeout: float) -> list[_Reply]:
+        """The replies to ``calls`` ((operation, rpc, request)) in order, each giving the
+        response ``call`` would return or raising the ``RemoteEngineError`` it would raise. On
+        the thread's ``Calls`` stream they are all sent now and their answers read when first
+        asked for, so whatever else this thread sends before it asks travels in the same round
+        trip (the server still runs the calls one after another, in the order sent). Without
+        the stream they are called one by one now, up to the first that fails; the calls after
+        it are not sent, and their replies raise that failure too."""
+        if not self.streamed:
+            replies: list[_Reply] = []
             for operation, rpc, request in calls:
-                try:
-                    answers.append(self.call(operation, rpc, request, timeout))
-                except RemoteEngineError as error:
-                    answers.append(error)
-                    break
-            return answers
+                reply = _Reply(self, None, operation, rpc, timeout)
+                if replies and replies[-1].error is not None:
+                    reply.settle(error=replies[-1].error)
+                else:
+                    try:
+                        reply.settle(response=self.call(operation, rpc, request, timeout))
+                    except RemoteEngineError as error:
+                        reply.settle(error=error)
+                replies.append(reply)
+            return replies
         if self.closed:
-            operation = calls[0][0]
+            operation = calls[0][0] if calls else "a call"
             message = f"{self.url}: {operation} failed: the connection was closed (close_connections())"
             raise RemoteUnavailable(message, address=self.url, operation=operation)
-        _ROUND_TRIPS.add()
         _CALLS_SENT.add(len(calls))
         stream = self._thread_stream()
-        for _, rpc, request in calls:
-            stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()))
-        answers = []
-        for operation, rpc, _ in calls:
-            try:
-                answers.append(self._answer(stream, operation, rpc, timeout))
-            except RemoteEngineError as error:
-                answers.append(error)
-                if stream.ended:  # the stream failed: no later answer comes
-                    break
-        return answers
+        return [self._send(stream, operation, rpc, request, timeout) for operation, rpc, request in calls]
 
-    def _thread_stream(self) -> _CallStream:
-        stream: _CallStream | None = getattr(self._streams, "stream", None)
+    def _thread_stream(self) -> _CallStream | SocketStream:
+        stream: _CallStream | SocketStream | None = getattr(self._streams, "stream", None)
         if stream is None:
-            stream = self._streams.stream = _CallStream(self.channel)
+            stream = _CallStream(self.channel) if self.calls_socket is None else SocketStream(self.calls_socket)
+            self._streams.stream = stream
             self._open_streams.add(stream)
         return stream
 
-    def _streamed(self, operation: str, rpc: str, request: Any, timeout: float) -> Any:
-        """``call`` over the calling thread's ``Calls`` stream, with the same answers and errors."""
-        stream = self._thread_stream()
-        stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()))
-        return self._answer(stream, operation, rpc, timeout)
+    def _send(self, stream: _CallStream | SocketStream, operation: str, rpc: str, request: Any, timeout: float) -> _Reply:
+        """Send one call on ``stream``, not waiting: its reply reads the answer when asked."""
+        stream.send(pb.Call(rpc=rpc, request=request.SerializeToString()), timeout)
+        reply = _Reply(self, stream, operation, rpc, timeout)
+        stream.unread.append(reply)
+        stream.sent_since_wait = True
+        return reply
 
-    def _answer(self, stream: _CallStream, operation: str, rpc: str, timeout: float) -> Any:
+    def read_until(self, stream: _CallStream | SocketStream, reply: _Reply) -> None:
+        """Read ``stream``'s answers in the order their calls were sent, each into its reply,
+        up to ``reply``'s. A failure that ends the stream settles every reply still unread."""
+        while reply.response is None and reply.error is None:
+            if stream.sent_since_wait:  # calls went out since the last wait: this wait is a round trip
+                _ROUND_TRIPS.add()
+                stream.sent_since_wait = False
+            oldest = stream.unread.popleft()
+            try:
+                oldest.settle(response=self._answer(stream, oldest.operation, oldest.rpc, oldest.timeout))
+            except RemoteEngineError as error:
+                oldest.settle(error=error)
+                if stream.ended:  # the stream failed: no later answer comes
+                    self._settle_unread(stream, error)
+            except BaseException:
+                # Interrupted while waiting: an answer may still come, and the stream would be
+                # out of step with its calls. Dropped, so that this thread's next call opens another.
+                self._drop_stream(stream)
+                message = f"{self.url}: {oldest.operation}: interrupted while waiting for the answer"
+                lost = RemoteUnavailable(message, address=self.url, operation=oldest.operation)
+                oldest.settle(error=lost)
+                self._settle_unread(stream, lost)
+                raise
+
+    @staticmethod
+    def _settle_unread(stream: _CallStream | SocketStream, error: RemoteEngineError) -> None:
+        while stream.unread:
+            stream.unread.popleft().settle(error=error)
+
+    def _answer(self, stream: _CallStream | SocketStream, operation: str, rpc: str, timeout: float) -> Any:
         """The answer to the oldest call sent on ``stream`` and not yet answered."""
         try:
             answer = stream.receive(timeout)
@@ -259,7 +291,7 @@ class _Connection:
             message = f"{self.url}: {operation}: the server answered garbage: the answer is not a {rpc} response ({error})"
             raise RemoteProtocolError(message, address=self.url, operation=operation) from None
 
-    def _drop_stream(self, stream: _CallStream) -> None:
+    def _drop_stream(self, stream: _CallStream | SocketStream) -> None:
         stream.end()
         if getattr(self._streams, "stream", None) is stream:
             self._streams.stream = None
@@ -370,6 +402,35 @@ class _Connection:
         self.channel.close()
 
 
+class _Reply:
+    """The reply to one call: the response, or the ``RemoteEngineError`` the call ended with.
+    A call sent on a ``Calls`` stream is answered in turn: its reply reads the stream's answers
+    up to its own when first asked (``result``), keeping those of the calls sent before it."""
+
+    __slots__ = ("_connection", "_stream", "error", "operation", "response", "rpc", "timeout")
+
+    def __init__(self, connection: _Connection, stream: _CallStream | SocketStream | None, operation: str, rpc: str, timeout: float) -> None:
+        self._connection = connection
+        self._stream = stream
+        self.operation = operation
+        self.rpc = rpc
+        self.timeout = timeout
+        self.response: Any = None
+        self.error: RemoteEngineError | None = None
+
+    def settle(self, *, response: Any = None, error: RemoteEngineError | None = None) -> None:
+        self.response, self.error = response, error
+
+    def result(self) -> Any:
+        """The response; raises the call's ``RemoteEngineError`` if it failed."""
+        if self.response is None and self.error is None:
+            assert self._stream is not None, "a reply without a stream is settled when made"
+            self._connection.read_until(self._stream, self)
+        if self.error is not None:
+            raise self.error
+        return self.response
+
+
 class _CallStream:
     """One thread's ``Calls`` stream: each call is sent, and its answer awaited, in turn. Ended
     (its requests half-closed, so the server's thread for it ends too) when dropped after a
@@ -377,6 +438,10 @@ class _CallStream:
 
     def __init__(self, channel: Any) -> None:
         self.ended = False
+        #: The replies to the calls sent and not yet answered, oldest first.
+        self.unread: collections.deque[_Reply] = collections.deque()
+        #: Whether calls were sent since this thread last waited for an answer.
+        self.sent_since_wait = False
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         open_stream = channel.stream_stream(
             f"/{pb.DESCRIPTOR.services_by_name['ShardEngineService'].full_name}/{_STREAM_RPC}",
@@ -388,7 +453,9 @@ class _CallStream:
         self.expired = False
         self._end = weakref.finalize(self, self._calls.put, None)
 
-    def send(self, call: Any) -> None:
+    def send(self, call: Any, timeout: float) -> None:
+        """Queue ``call`` for gRPC's sending thread (the wait for its answer has the deadline)."""
+        del timeout
         self._calls.put(call)
 
     def receive(self, timeout: float) -> Any:
@@ -495,11 +562,11 @@ class _Connections:
 _CONNECTIONS = _Connections()
 
 
-def _connect(url: str, dial: str, timeout: float, wait_for_ready: bool) -> _Connection:
+def _connect(url: str, dial: str, timeout: float, wait_for_ready: bool, calls_socket: str | None) -> _Connection:
     connection = _CONNECTIONS.get(url)
     if connection is not None:
         return connection
-    connection = _Connection(url, dial)
+    connection = _Connection(url, dial, calls_socket)
     try:
         connection.handshake(timeout, wait_for_ready)
     except BaseException:
@@ -643,12 +710,13 @@ class RemoteShardEngine(ShardEngine):
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         wait_for_server: bool = False,
         loss_ends_run: bool = False,
+        calls_socket: str | None = None,
     ) -> None:
         check_seconds("timeout_seconds", timeout_seconds)
         self.url, dial = parse_address(address)
         self.timeout_seconds = float(timeout_seconds)
         self.loss_ends_run = loss_ends_run
-        self._connection = _connect(self.url, dial, self.timeout_seconds, wait_for_server)
+        self._connection = _connect(self.url, dial, self.timeout_seconds, wait_for_server, calls_socket)
         self.engine_id = self._connection.new_engine(self.timeout_seconds)
         self._ref = pb.EngineRef(engine_id=self.engine_id)
         self._order = _CallOrder(self._connection)
@@ -790,8 +858,10 @@ class RemoteShardEngine(ShardEngine):
     def calls_together(self, calls: Sequence[tuple[str, Any]]) -> Iterator[StepResult | StructuredStatus]:
         """``prefill`` or ``decode`` of a request, or ``release`` of a session id, for each
         (name, argument) of ``calls``, in order: the answers, and the first error where the
-        call would raise it. Sent together (``_Connection.call_all``): one round trip for them
-        all to a server with the ``Calls`` stream. The kit's twins feed an engine this way."""
+        call would raise it. Sent now, together (``_Connection.call_all``), and each answer read
+        when the iterator reaches it: to a server with the ``Calls`` stream, the calls sent
+        before the first answer is awaited, by any engine on this connection, make one round
+        trip. The kit's twins feed an engine this way."""
         prepared: list[tuple[str, str, Any]] = []
         for name, argument in calls:
             if name == "release":
@@ -801,21 +871,23 @@ class RemoteShardEngine(ShardEngine):
                 message = pb.StepCall(engine_id=self.engine_id, request=codec.step_request_to_pb(argument))
                 prepared.append((_step_text(name, argument), name.capitalize(), message))
         numbers = [self._order.begin(rpc)[0] for _, rpc, _ in prepared]
-        failed = True
         try:
-            answers = self._connection.call_all(prepared, self.timeout_seconds)
-            failed = len(answers) < len(prepared) or any(isinstance(answer, RemoteEngineError) for answer in answers)
+            replies = self._connection.call_all(prepared, self.timeout_seconds)
         finally:
+            # Their answers are read later, and may fail: as after a failure, no copy answered
+            # ahead is taken for this engine from here on (the twins never ask for one).
             for number in numbers:
-                self._order.end(number, failed=failed)
-        return self._in_order(prepared, answers)
+                self._order.end(number, failed=True)
+        return self._in_order(prepared, replies)
 
-    def _in_order(self, prepared: list[tuple[str, str, Any]], answers: list[Any]) -> Iterator[StepResult | StructuredStatus]:
-        for (operation, rpc, _), answer in zip(prepared, answers, strict=False):
-            if isinstance(answer, (RemoteUnavailable, RemoteEngineEvicted)) and self.loss_ends_run:
-                raise _lost(answer) from answer
-            if isinstance(answer, RemoteEngineError):
-                raise answer
+    def _in_order(self, prepared: list[tuple[str, str, Any]], replies: list[Any]) -> Iterator[StepResult | StructuredStatus]:
+        for (operation, rpc, _), reply in zip(prepared, replies, strict=True):
+            try:
+                answer = reply.result()
+            except (RemoteUnavailable, RemoteEngineEvicted) as error:
+                if self.loss_ends_run:
+                    raise _lost(error) from error
+                raise
             if rpc == "Release":
                 yield self._decode(operation, functools.partial(codec.status_from_pb, answer))
             else:

@@ -60,6 +60,7 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 
 from shardkit._core.targets import EngineFactory, ResolvedTarget, is_loopback
 from shardkit._transport import codec
+from shardkit._transport.calls_socket import CallsListener
 from shardkit._transport.resolve import resolve_target
 from shardkit._version import __version__
 from shardkit.contract import (
@@ -373,9 +374,11 @@ class ShardEngineServicer(pb_grpc.ShardEngineServiceServicer):
         if _STREAM_RPC not in self.optional_calls:
             _abort(context, grpc.StatusCode.UNIMPLEMENTED, f"this server does not offer {_STREAM_RPC}")
         for call in calls:
-            yield self._streamed_answer(_Rpc.parsed(_STREAM_RPC, pb.Call, call, context) if isinstance(call, bytes) else call)
+            yield self.streamed_answer(_Rpc.parsed(_STREAM_RPC, pb.Call, call, context) if isinstance(call, bytes) else call)
 
-    def _streamed_answer(self, call: pb.Call) -> pb.Answer:
+    def streamed_answer(self, call: pb.Call) -> pb.Answer:
+        """The ``Answer`` to one call of a ``Calls`` stream: the response, or the status the
+        unary RPC would have ended with."""
         rpc = self._streamed.get(call.rpc)
         if rpc is None:
             details = f"{_STREAM_RPC} cannot carry a call of {call.rpc!r}; it carries {', '.join(sorted(self._streamed))}"
@@ -925,10 +928,14 @@ class EngineServer:
     url: str
     #: The thread pools of the engine calls and of ``Health`` (gRPC's own pool answers the rest).
     pools: tuple[futures.ThreadPoolExecutor, ...] = ()
+    #: A worker's plain socket for the ``Calls`` stream (``calls_socket.py``), when it has one.
+    calls_listener: CallsListener | None = None
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving (waiting ``grace`` seconds for calls in flight) and drop every engine;
         a ``unix:`` socket's file goes with it (gRPC removes it)."""
+        if self.calls_listener is not None:
+            self.calls_listener.close()
         self.server.stop(grace).wait()
         self.servicer.close_all()
         for pool in self.pools:
@@ -956,6 +963,7 @@ def serve(
     max_engines: int = DEFAULT_MAX_ENGINES,
     max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
     optional_calls: tuple[str, ...] = OPTIONAL_CALLS,
+    calls_socket: str | None = None,
 ) -> EngineServer:
     """Serve engines built from ``target`` on ``listen`` and return the running server.
 
@@ -965,7 +973,9 @@ def serve(
     ``codec.EXIT_OUT_OF_MEMORY`` for ``MemoryError``), as ``shardkit serve --worker`` does;
     ``max_engines`` bounds the engines kept alive (the least recently used is evicted);
     ``max_message_bytes`` bounds each message received or sent; ``optional_calls``: the
-    optional RPCs served and listed by the handshake (fewer plays an older server).
+    optional RPCs served and listed by the handshake (fewer plays an older server);
+    ``calls_socket``: a path where the ``Calls`` stream is served over a plain Unix socket as
+    well (``calls_socket.py``; ``shardkit serve --worker`` has one, for the kit alone).
     """
     resolved = resolve_target(target)
     bind, host = parse_listen(listen)
@@ -999,6 +1009,10 @@ def serve(
             pool.shutdown(wait=False)
         message = f"cannot listen on {listen!r}: {reason}"
         raise ShardkitError(message)
+    listener = None
+    if calls_socket is not None and _STREAM_RPC in optional_calls:
+        # Listening before gRPC serves: a client that got its handshake finds it there.
+        listener = CallsListener(calls_socket, servicer.streamed_answer, max_message_bytes)
     server.start()
     url = bind if host is None else f"grpc://{host}:{port}"
-    return EngineServer(server, servicer, url, (engine_pool, health_pool, connection_pool))
+    return EngineServer(server, servicer, url, (engine_pool, health_pool, connection_pool), listener)

@@ -56,6 +56,7 @@ from shardkit._core.targets import (
     PythonTarget,
     WorkerCommand,
 )
+from shardkit._transport.calls_socket import calls_socket_path
 from shardkit._transport.client import RemoteShardEngine, close_connection
 from shardkit._transport.codec import EXIT_ENGINE_RAISED, EXIT_OUT_OF_MEMORY
 from shardkit._transport.forkserver import ForkedProcess, ForkServer, ForkUnavailable
@@ -264,7 +265,9 @@ class WorkerPool:
         """A fresh engine in the serving worker, started (or replaced) as needed."""
         worker = self._serving_worker()
         try:
-            return RemoteShardEngine(worker.url, timeout_seconds=self.options.step_timeout)
+            # A shardkit worker takes the kit's calls over a plain socket too; a foreign one, gRPC only.
+            calls_socket = None if worker.foreign else calls_socket_path(worker.url)
+            return RemoteShardEngine(worker.url, timeout_seconds=self.options.step_timeout, calls_socket=calls_socket)
         except RemoteEngineError as error:
             death = self.death(error)
             if death is None:
@@ -382,6 +385,9 @@ class WorkerPool:
     def _forget_files(self, worker: _Worker) -> None:
         # The log is kept until the pool closes: a death's tail may still be read.
         Path(worker.url.removeprefix("unix:")).unlink(missing_ok=True)
+        calls_socket = calls_socket_path(worker.url)
+        if calls_socket is not None:
+            Path(calls_socket).unlink(missing_ok=True)
 
     def death(self, error: BaseException) -> ProcessDeath | None:
         if not isinstance(error, RemoteEngineError):
