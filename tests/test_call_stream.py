@@ -212,6 +212,28 @@ def test_calls_sent_together_answer_as_one_by_one_in_one_round_trip_on_a_stream(
     assert answered[2].status.code.name == "FAILED_PRECONDITION"
 
 
+def test_calls_of_several_engines_sent_before_any_answer_is_read_make_one_round_trip(
+    served: Callable[..., EngineServer],
+) -> None:
+    """What the twins of a new history do: each engine's calls are sent, then each is judged;
+    a call made meanwhile reads past the answers before its own, which stay with their calls."""
+    server = served()
+    first, second = RemoteShardEngine(server.url), RemoteShardEngine(server.url)
+    first.load(FULL)
+    second.load(FULL)
+    alone = FakeShardEngine()
+    alone.load(FULL)
+    prompt, longer = PrefillRequest("a", 0, 0, token_ids=(1, 2)), PrefillRequest("a", 0, 0, token_ids=(1, 2, 3))
+    before = round_trips()
+    answered_first = first.calls_together([("prefill", prompt), ("release", "a")])
+    answered_second = second.calls_together([("prefill", longer)])
+    assert second.health().serving  # reads the three answers sent before its own
+    assert round_trips() - before == 1
+    assert list(answered_first) == [alone.prefill(prompt), alone.release("a")]
+    assert list(answered_second) == [alone.prefill(longer)]
+    assert round_trips() - before == 1
+
+
 def test_an_error_among_calls_sent_together_is_raised_in_its_place_and_the_stream_stays_in_step(
     served: Callable[..., EngineServer],
 ) -> None:

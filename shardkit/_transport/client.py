@@ -239,7 +239,8 @@ class _Connection:
 
     def read_until(self, stream: _CallStream | SocketStream, reply: _Reply) -> None:
         """Read ``stream``'s answers in the order their calls were sent, each into its reply,
-        up to ``reply``'s. A failure that ends the stream settles every reply still unread."""
+        up to ``reply``'s; the thread that sent them reads them, as it owns the stream. A
+        failure that ends the stream settles every reply still unread."""
         while reply.response is None and reply.error is None:
             if stream.sent_since_wait:  # calls went out since the last wait: this wait is a round trip
                 _ROUND_TRIPS.add()
@@ -260,6 +261,12 @@ class _Connection:
                 oldest.settle(error=lost)
                 self._settle_unread(stream, lost)
                 raise
+            else:
+                if stream.ended:  # answered as its deadline passed: the stream was cancelled behind it
+                    while stream.unread:
+                        later = stream.unread.popleft()
+                        code = grpc.StatusCode.DEADLINE_EXCEEDED
+                        later.settle(error=self.failure(code, "", {}, later.operation, later.timeout))
 
     @staticmethod
     def _settle_unread(stream: _CallStream | SocketStream, error: RemoteEngineError) -> None:
@@ -880,7 +887,7 @@ class RemoteShardEngine(ShardEngine):
                 self._order.end(number, failed=True)
         return self._in_order(prepared, replies)
 
-    def _in_order(self, prepared: list[tuple[str, str, Any]], replies: list[Any]) -> Iterator[StepResult | StructuredStatus]:
+    def _in_order(self, prepared: list[tuple[str, str, Any]], replies: list[_Reply]) -> Iterator[StepResult | StructuredStatus]:
         for (operation, rpc, _), reply in zip(prepared, replies, strict=True):
             try:
                 answer = reply.result()
