@@ -24,8 +24,8 @@ from shardkit.errors import InvalidTarget, UsageError
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "shardkit"
 #: The one module that tells a target's kind from its text.
 TARGETS = "_core/targets.py"
-#: Where an address is split into what gRPC dials or listens on: the kind is known there.
-ADDRESS_PARSERS = ("_transport/client.py", "_transport/server.py")
+#: Where an address is split into what gRPC dials or listens on (or a worker listens beside it): the kind is known there.
+ADDRESS_PARSERS = ("_transport/client.py", "_transport/server.py", "_transport/calls_socket.py")
 #: The entry points, which hold a target's text as the user or a trace gave it: the command
 #: line, the pytest plugin, the public functions (``fuzz``, ``machine_for``, ``replay`` and the
 #: options they take), a trace being read and trusted, a campaign, the bench, ``serve``.
