@@ -127,9 +127,12 @@ def _check_tolerance(owner: str, name: str, value: object) -> None:
         raise ValueError(message)
 
 
+_JUST_INT = frozenset({int})
+
+
 def _int_tuple(owner: str, name: str, value: object) -> tuple[int, ...]:
     """Accept any sequence of ints and freeze it, so equality is by value."""
-    if type(value) is tuple and all(type(item) is int for item in value):
+    if type(value) is tuple and set(map(type, value)) <= _JUST_INT:
         return value  # the common case, checked at C speed: the kit builds several requests a step
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise _fail(owner, name, "a tuple of ints", value)
@@ -345,7 +348,7 @@ class EngineTensor:
         _check_str("EngineTensor", "name", self.name)
         _check_str("EngineTensor", "dtype", self.dtype)
         shape = _int_tuple("EngineTensor", "shape", self.shape)
-        if any(extent < 0 for extent in shape):
+        if shape and min(shape) < 0:
             message = f"EngineTensor.shape must not hold negative extents, got {shape!r}"
             raise ValueError(message)
         _set(self, "shape", shape)
@@ -402,8 +405,9 @@ class BoundaryBundle:
         if not isinstance(self.tensors, Sequence) or isinstance(self.tensors, (str, bytes)):
             raise _fail(owner, "tensors", "a tuple of EngineTensor", self.tensors)
         tensors = tuple(self.tensors)
-        for index, tensor in enumerate(tensors):
-            _check_type(owner, f"tensors[{index}]", tensor, EngineTensor)
+        if not all(type(tensor) is EngineTensor for tensor in tensors):
+            for index, tensor in enumerate(tensors):
+                _check_type(owner, f"tensors[{index}]", tensor, EngineTensor)
         _set(self, "tensors", tensors)
         if self.token_id_sideband is not None:
             _set(self, "token_id_sideband", _int_tuple(owner, "token_id_sideband", self.token_id_sideband))

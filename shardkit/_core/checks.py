@@ -40,6 +40,7 @@ __all__ = [
     "metrics_text",
     "output_problems",
     "payload_difference",
+    "payloads_agree",
     "payloads_of",
 ]
 
@@ -210,6 +211,26 @@ class Tolerance:
         return f"{self.absolute:.3g} + {self.relative:.3g}·|reference|"
 
 
+def payloads_agree(
+    expected: Payload, observed: Payload, tolerance: Tolerance, *, near_ties_may_flip: bool = True
+) -> bool:
+    """Whether the two agree within ``tolerance`` (``payload_difference`` is None): the
+    verdict without the words, which a step asks for many times (each path's answer)."""
+    if isinstance(expected, tuple) and isinstance(observed, tuple):
+        if expected[0] == observed[0]:
+            return True
+        margins = [margin for margin in (expected[1], observed[1]) if margin is not None]
+        return near_ties_may_flip and bool(margins) and min(margins) < tolerance.margin
+    if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
+        if expected.shape != observed.shape:
+            return False
+        if tolerance.exact:
+            return expected is observed or expected.tobytes() == observed.tobytes()
+        excess = _excess(expected, observed, tolerance)
+        return not excess.size or float(np.max(excess)) <= 0.0  # a NaN anywhere is no agreement: max is NaN
+    return False
+
+
 def payload_difference(
     expected: Payload, observed: Payload, tolerance: Tolerance, *, near_ties_may_flip: bool = True
 ) -> str | None:
@@ -217,24 +238,16 @@ def payload_difference(
 
     A token may differ where a margin is below ``tolerance.margin`` (contract §3), unless
     ``near_ties_may_flip`` is False: to tell an injected wrong token from a near-tie."""
+    if payloads_agree(expected, observed, tolerance, near_ties_may_flip=near_ties_may_flip):
+        return None
     if isinstance(expected, tuple) and isinstance(observed, tuple):
-        if expected[0] == observed[0]:
-            return None
-        margins = [margin for margin in (expected[1], observed[1]) if margin is not None]
-        if near_ties_may_flip and margins and min(margins) < tolerance.margin:
-            return None
         return f"token {observed[0]}, expected {expected[0]}"
     if isinstance(expected, np.ndarray) and isinstance(observed, np.ndarray):
         if expected.shape != observed.shape:
             return f"row of shape {observed.shape}, expected {expected.shape}"
         if tolerance.exact:
-            if expected.tobytes() == observed.tobytes():
-                return None
             return f"differs bit-wise: {largest_difference(expected, observed)}; tolerance 0 (bit-exact)"
-        excess = _excess(expected, observed, tolerance)
-        if not excess.size or float(np.max(excess)) <= 0.0:  # a NaN anywhere is no agreement: max is NaN
-            return None
-        where = largest_difference(expected, observed, tolerance, excess=excess)
+        where = largest_difference(expected, observed, tolerance)
         return f"differs by more than the tolerance {tolerance.text()}: {where}"
     return f"{type(observed).__name__} where {type(expected).__name__} was expected"
 

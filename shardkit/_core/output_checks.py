@@ -9,6 +9,7 @@ twin's own failure is a finding and when it is the reference engine's fault.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,9 +22,10 @@ from shardkit._core.checks import (
     largest_difference,
     output_problems,
     payload_difference,
+    payloads_agree,
     payloads_of,
 )
-from shardkit._core.model import Prediction, ReferenceModel, SessionState, StepRequest, input_length
+from shardkit._core.model import InputChunk, Prediction, ReferenceModel, SessionState, StepRequest, input_length
 from shardkit._core.outcomes import Fail, StepContext, raised, show, show_whole, status_text
 from shardkit._core.steps import Action, row_codes_of
 from shardkit._core.targets import ResolvedTarget, passes_through
@@ -63,7 +65,21 @@ def flat_history(session: SessionState, caps: EngineCapabilities | None = None) 
     a bundle the codes of its rows, which the kit built from them; a token's ordinary and
     extreme rows share its id in the sideband, so the rows name the history. Without
     ``caps`` a bundle's rows count as its sideband's tokens."""
-    return tuple(code for chunk in session.history for code in _codes(chunk, caps))
+    if len(session.history) > _CACHED_STEPS:
+        return tuple(code for chunk in session.history for code in _codes(chunk, caps))
+    return _flat(session.history, caps)
+
+
+#: The longest history ``flat_history`` caches, in steps (``_flat`` recurses once a step).
+_CACHED_STEPS = 256
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _flat(history: tuple[InputChunk, ...], caps: EngineCapabilities | None) -> tuple[int, ...]:
+    # A history grows by a step at a time and is asked for at each: its beginning is cached.
+    if not history:
+        return ()
+    return _flat(history[:-1], caps) + _codes(history[-1], caps)
 
 
 def _codes(chunk: tuple[Any, ...], caps: EngineCapabilities | None) -> tuple[int, ...]:
@@ -205,7 +221,7 @@ class OutputChecks(StepContext):
         groups: list[list[tuple[str, Payload]]] = []
         for path, answer in answers:
             group = next(
-                (group for group in groups if payload_difference(group[0][1], answer, tolerance) is None), None
+                (group for group in groups if payloads_agree(group[0][1], answer, tolerance)), None
             )
             if group is None:
                 groups.append([(path, answer)])
@@ -216,12 +232,9 @@ class OutputChecks(StepContext):
         if len(groups) == 1:
             expected = groups[0][0][1]
             # Strict, a near tie may not flip; but an answer a twin of the same engine gave is not wrong.
-            differences = [
-                payload_difference(answer, payload, tolerance, near_ties_may_flip=not strict) for _, answer in answers
-            ]
-            if None in differences:
+            if any(payloads_agree(answer, payload, tolerance, near_ties_may_flip=not strict) for _, answer in answers):
                 return None
-            difference = differences[0]
+            difference = payload_difference(answers[0][1], payload, tolerance, near_ties_may_flip=not strict)
             ways = listed(ORACLE_PATHS[path] for path, _ in answers)
             expected_text = f"{show(expected)} {after}, as {twins} gave by {ways}"
             if isinstance(payload, tuple):
@@ -299,7 +312,7 @@ class OutputChecks(StepContext):
         such answer, or "" (a token may match by chance; a row of floats does not)."""
         tolerance = Tolerance.of(self.caps)
         for other, (where, answer) in reversed(self.served.items()):
-            if other != history and payload_difference(answer, payload, tolerance) is None:
+            if other != history and payloads_agree(answer, payload, tolerance):
                 vocabulary = self.caps.vocab_size
                 chance = f" (unless by chance: one token in {vocabulary})" if isinstance(payload, tuple) else ""
                 return f"the engine answered {show(payload)} to history {list(other)} before ({where}): state carried over from there{chance}"

@@ -336,12 +336,7 @@ def synthetic_bundle(
     ``synthetic_rows``). Its sideband holds the token ids. ``rows_dtype``: make the rows in
     that dtype (the engine under test's, for a reference engine in another), then cast them
     to the engine's own, so that both compute from the same values."""
-    rows = _rows_data(caps.hidden_size, caps.dtype, tokens)
-    if rows_dtype is not None and rows_dtype != caps.dtype:
-        made = np.frombuffer(_rows_data(caps.hidden_size, rows_dtype, tokens), numpy_dtype(rows_dtype).newbyteorder("<"))
-        rows = made.astype(numpy_dtype(caps.dtype).newbyteorder("<")).tobytes()
-    tensor = EngineTensor(RESIDUAL_TENSOR, numpy_dtype(caps.dtype).name, (len(tokens), caps.hidden_size), rows)
-    sideband = tokens if not tokens or min(tokens) >= 0 else tuple(split_row_code(code)[0] for code in tokens)
+    tensor, sideband = _synthetic_input(caps.hidden_size, caps.dtype, tokens, rows_dtype or caps.dtype)
     return BoundaryBundle(
         session_id=session,
         epoch=epoch,
@@ -351,6 +346,21 @@ def synthetic_bundle(
         tensors=(tensor,),
         token_id_sideband=sideband,
     )
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _synthetic_input(
+    hidden_size: int, dtype: str, tokens: tuple[int, ...], rows_dtype: str
+) -> tuple[EngineTensor, tuple[int, ...]]:
+    """The rows tensor and the sideband of ``synthetic_bundle``: the same history's are sent
+    to the engine under test and to each twin (a tensor is immutable, so it is shared)."""
+    rows = _rows_data(hidden_size, dtype, tokens)
+    if rows_dtype != dtype:
+        made = np.frombuffer(_rows_data(hidden_size, rows_dtype, tokens), numpy_dtype(rows_dtype).newbyteorder("<"))
+        rows = made.astype(numpy_dtype(dtype).newbyteorder("<")).tobytes()
+    tensor = EngineTensor(RESIDUAL_TENSOR, numpy_dtype(dtype).name, (len(tokens), hidden_size), rows)
+    sideband = tokens if not tokens or min(tokens) >= 0 else tuple(split_row_code(code)[0] for code in tokens)
+    return tensor, sideband
 
 
 def row_codes_of(caps: EngineCapabilities, data: bytes, sideband: tuple[int, ...]) -> tuple[int, ...]:
