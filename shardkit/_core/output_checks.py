@@ -74,7 +74,7 @@ def flat_history(session: SessionState, caps: EngineCapabilities | None = None) 
 _CACHED_STEPS = 256
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 10)  # a session's next step asks for its last history: few are needed
 def _flat(history: tuple[InputChunk, ...], caps: EngineCapabilities | None) -> tuple[int, ...]:
     # A history grows by a step at a time and is asked for at each: its beginning is cached.
     if not history:
