@@ -49,6 +49,8 @@ class BatchTakesTheFirstRowsPosition(BatchingTransformersShardEngine):
 
     ENGINE_NAME: ClassVar[str] = "BatchTakesTheFirstRowsPosition"
     BUG: ClassVar[str] = "a batch's rows take the rotary position of its first row's session, not their own"
+    #: The properties a run that finds the bug reports it by.
+    PROPERTIES: ClassVar[tuple[str, ...]] = ("§3 determinism",)
     FORWARD = _FirstRowsPosition
 
     def __init__(self, model: Any = None, *, gather_seconds: float = WINDOW_GATHER_SECONDS, **options: Any) -> None:
@@ -77,6 +79,9 @@ class CancelShiftsTheBatchsRows(BatchingTransformersShardEngine):
         "a cancel does not wait for its session's step in the batch, whose rows then go to the "
         "steps still live in order: each step after the cancelled one gets the row before its own"
     )
+    #: The shifted rows, or, as the threads fall, the cancelled step's answer: CANCELLED while
+    #: the tokens it cached stay counted, which no order of the phase's calls explains.
+    PROPERTIES: ClassVar[tuple[str, ...]] = ("§3 determinism", "§2 linearizability")
     FORWARD = _LiveRowsInOrder
 
     def __init__(self, model: Any = None, *, gather_seconds: float = WINDOW_GATHER_SECONDS, **options: Any) -> None:
