@@ -79,8 +79,8 @@ class CancelShiftsTheBatchsRows(BatchingTransformersShardEngine):
         "a cancel does not wait for its session's step in the batch, whose rows then go to the "
         "steps still live in order: each step after the cancelled one gets the row before its own"
     )
-    #: The shifted rows, or, as the threads fall, the cancelled step's answer: CANCELLED while
-    #: the tokens it cached stay counted, which no order of the phase's calls explains.
+    #: The shifted rows, or, as the threads fall, a phase that no order of its calls explains:
+    #: the cancelled step answers CANCELLED "while it ran".
     PROPERTIES: ClassVar[tuple[str, ...]] = ("§3 determinism", "§2 linearizability")
     FORWARD = _LiveRowsInOrder
 
