@@ -266,8 +266,6 @@ def largest_difference(
     expected: Payload,
     observed: Payload,
     tolerance: Tolerance | None = None,
-    *,
-    excess: np.ndarray[Any, Any] | None = None,
 ) -> str:
     """``by 2.3e-06 at column 9 (0.006315 where 0.006313 was expected)``: where a row
     differs most (a NaN or an infinity on one side only counts as the largest), or for
@@ -281,10 +279,7 @@ def largest_difference(
     with np.errstate(invalid="ignore", over="ignore"):
         wide = np.abs(expected.astype(np.float64) - observed.astype(np.float64))
     one_sided_nan = np.isnan(wide) & (np.isnan(expected) != np.isnan(observed))
-    if relative and tolerance is not None:
-        ranking = (excess if excess is not None else _excess(expected, observed, tolerance)).copy()
-    else:
-        ranking = wide.copy()
+    ranking = _excess(expected, observed, tolerance) if relative and tolerance is not None else wide.copy()
     ranking[one_sided_nan] = np.inf
     ranking[np.isnan(ranking)] = -np.inf
     place = np.unravel_index(int(np.argmax(ranking)), ranking.shape)
