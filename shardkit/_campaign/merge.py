@@ -103,6 +103,8 @@ class CampaignResult:
     #: The options of every round, and the campaign's own command line (the report's ``run``).
     options: FuzzOptions | None = None
     command: str = ""
+    #: The Ray cluster the rounds ran on (``--cluster``); None on one machine.
+    cluster: str | None = None
 
     @property
     def failures(self) -> list[MergedFailure]:
@@ -149,11 +151,15 @@ class CampaignResult:
             "rounds": len(self.outcomes),
             "seeds": [
                 {"worker": outcome.worker, "round": outcome.round, "seed": outcome.seed}
+                | ({"node": outcome.node} if outcome.node else {})
                 for outcome in sorted(self.outcomes, key=lambda o: (o.worker, o.round))
             ],
             "interrupted": self.interrupted,
             "errors": [error.error for error in self.errors],
         }
+        if self.cluster is not None:
+            document["campaign"]["cluster"] = self.cluster
+            document["campaign"]["rounds_per_node"] = dict(sorted(Counter(outcome.node for outcome in self.outcomes).items()))
         return document
 
     def text(self) -> str:
@@ -163,9 +169,13 @@ class CampaignResult:
         by_worker = Counter(outcome.worker for outcome in self.outcomes)
         per_worker = ", ".join(f"worker {worker}: {by_worker[worker]}" for worker in range(1, self.workers + 1))
         limit = f"{self.minutes:g} minutes" if self.minutes is not None else f"{_count(self.rounds_per_worker or 0, 'round')} each"
+        where = f" on the Ray cluster at {self.cluster}" if self.cluster is not None else ""
         lines = [
-            f"campaign: {_count(self.workers, 'worker')} for {limit}: {_count(len(self.outcomes), 'round')} ({per_worker}) in {self.elapsed_s:.1f}s",
+            f"campaign: {_count(self.workers, 'worker')}{where} for {limit}: {_count(len(self.outcomes), 'round')} ({per_worker}) in {self.elapsed_s:.1f}s",
         ]
+        if self.cluster is not None:
+            by_node = Counter(outcome.node for outcome in self.outcomes)
+            lines.append(f"rounds per node: {', '.join(f'{node}: {count}' for node, count in sorted(by_node.items())) or 'none'}")
         if self.outcomes:
             lines.append(
                 f"{_count(summed.examples, 'example')} ({summed.steps:,} steps) as shardkit fuzz counts them (until each round's first failure); "

@@ -69,6 +69,8 @@ class RoundOutcome:
     interrupted: bool = False
     #: Why the round's trace could not be written (the failure is still reported).
     write_error: str | None = None
+    #: The Ray node that ran it (``IP (node ID)``), on a cluster; "" on one machine.
+    node: str = ""
 
     @property
     def coverage_pairs(self) -> frozenset[tuple[str, str]]:

@@ -62,6 +62,9 @@ class CampaignPlan:
     target_name: str | None = None
     #: The campaign's command line, for the report.
     command: str = ""
+    #: The Ray cluster's address (``--cluster``): the rounds run there as tasks, ``workers``
+    #: of them at a time, instead of in worker processes here (``shardkit._campaign.cluster``).
+    cluster: str | None = None
 
     def __post_init__(self) -> None:
         if (self.minutes is None) == (self.rounds_per_worker is None):
@@ -80,7 +83,15 @@ def run_campaign(plan: CampaignPlan, on_event: Callable[[Event | None], None] | 
         rounds_per_worker=plan.rounds_per_worker,
         options=plan.options,
         command=plan.command,
+        cluster=plan.cluster,
     )
+    if plan.cluster is not None:
+        from shardkit._campaign.cluster import run_on_cluster
+
+        started = time.monotonic()
+        run_on_cluster(plan, plan.cluster, result, on_event)
+        result.elapsed_s = time.monotonic() - started
+        return result
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
     stop = context.Event()

@@ -35,7 +35,7 @@ from shardkit._run.options import FuzzOptions
 from shardkit.contract import EngineError
 from shardkit.errors import EngineLost, ShardkitError
 
-__all__ = ["INTERRUPT_SIGNAL", "WorkerPlan", "work"]
+__all__ = ["INTERRUPT_SIGNAL", "WorkerPlan", "failed_round", "work"]
 
 #: What the campaign sends a worker to stop the round in flight (SIGINT is ignored, see above).
 INTERRUPT_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)
@@ -106,7 +106,7 @@ def _rounds(
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # whatever ends a round is reported, never lost
-            return _failed(plan.worker, round_number, seed, error)
+            return failed_round(plan.worker, round_number, seed, error)
         ended_at = time.time()
         outcome = outcome_of(result, worker=plan.worker, round_number=round_number, started_at=started_at, ended_at=ended_at)
         interrupts.send(events, RoundFinished(outcome))
@@ -171,7 +171,8 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
-def _failed(worker: int, round_number: int, seed: int, error: BaseException) -> WorkerFailed:
+def failed_round(worker: int, round_number: int, seed: int, error: BaseException) -> WorkerFailed:
+    """What a round that ended in ``error`` (no finding) tells the campaign."""
     if isinstance(error, ShardkitError | EngineError | EngineLost | OSError):
         # An input error (the engine cannot be built or loaded, the disk is full): its message says it.
         return WorkerFailed(worker, round_number, seed, str(error) or describe_exception(error))

@@ -10,10 +10,11 @@ import random
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line, run_options
-from shardkit._core.targets import Target, parse_target
+from shardkit._core.targets import PythonTarget, Target, parse_target
 from shardkit.errors import UsageError
 
 __all__ = ["campaign_command"]
@@ -27,6 +28,8 @@ def campaign_command(args: argparse.Namespace) -> int:
     from shardkit._transport.resolve import resolve_target
 
     options = run_options("campaign", args)
+    if args.cluster is not None and args.workers is None:
+        raise UsageError("shardkit campaign: --cluster needs --workers N, the rounds to keep running at once on the cluster (its CPUs, say)")
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     check_out_folder("campaign", args.out)
@@ -37,7 +40,9 @@ def campaign_command(args: argparse.Namespace) -> int:
     # An unknown target is a usage error here, once, not one per worker.
     target = parse_target(args.target)
     resolve_target(target)
-    command = _command_line(options, target, workers, args.minutes, seed)
+    if args.cluster is not None:
+        _check_for_cluster(args.cluster, target, options)
+    command = _command_line(options, target, workers, args.minutes, seed, args.cluster)
     print(command, flush=True)
 
     tally = Tally(workers)
@@ -48,7 +53,9 @@ def campaign_command(args: argparse.Namespace) -> int:
             tally.apply(event, time.monotonic())
         view(event)
 
-    plan = CampaignPlan(args.target, options, workers, seed, args.out, minutes=args.minutes, target_name=target.name, command=command)
+    plan = CampaignPlan(
+        args.target, options, workers, seed, args.out, minutes=args.minutes, target_name=target.name, command=command, cluster=args.cluster
+    )
     try:
         result = run_campaign(plan, on_event)
     finally:
@@ -80,14 +87,35 @@ def campaign_command(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
-def _command_line(options: Any, target: Target, workers: int, minutes: float, seed: int) -> str:
+def _check_for_cluster(address: str, target: Target, options: Any) -> None:
+    """What cannot work on a cluster, said before it is joined: a file target outside the
+    folder shipped to the nodes, a database folder, which each node would keep apart, no Ray
+    here, no cluster at ``address``."""
+    from shardkit._campaign.cluster import check_cluster
+
+    if isinstance(target, PythonTarget) and isinstance(target.code, str):
+        file = target.code.rpartition(":")[0]
+        if file.endswith(".py"):
+            here = Path.cwd().resolve()
+            if not Path(file).resolve().is_relative_to(here):
+                message = f"shardkit campaign: --cluster ships this folder ({here.name}) to the nodes, and {file} lies outside it; start the campaign from a folder that holds the engine's file"
+                raise UsageError(message)
+    database = options.database_choice
+    if database.kind == "directory":
+        message = f"shardkit campaign: --cluster: the database folder {database.value} would be a separate folder on each node; name one every node reaches, --database redis://HOST:PORT/N"
+        raise UsageError(message)
+    check_cluster(address)
+
+
+def _command_line(options: Any, target: Target, workers: int, minutes: float, seed: int, cluster: str | None) -> str:
     """The campaign's own command, with the seed: what it ran can be run again (the rounds a
     time limit allows vary with the machine; each round's seed does not)."""
     fuzz_line = options.command(target, seed, None, None)
     fuzz_start = f"shardkit fuzz {shlex.quote(target.name)} --seed {seed}"
     assert fuzz_line.startswith(fuzz_start)
     fuzz_options = fuzz_line[len(fuzz_start) :]
-    return f"shardkit campaign {shlex.quote(target.name)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}"
+    on_cluster = f" --cluster {shlex.quote(cluster)}" if cluster is not None else ""
+    return f"shardkit campaign {shlex.quote(target.name)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}{on_cluster}"
 
 
 def _html_writer() -> Any:

@@ -290,6 +290,8 @@ def build_parser() -> _Parser:
     campaign.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     campaign.add_argument("--report", type=Path, default=None, help="write the merged report (JSON) here")
     campaign.add_argument("--html", type=Path, default=None, help="write the merged report as an HTML page here")
+    cluster = "run the rounds as tasks on the Ray cluster at ADDRESS (HOST:PORT, ray://HOST:10001 or auto; the ray extra), --workers at a time"
+    campaign.add_argument("--cluster", default=None, metavar="ADDRESS", help=cluster)
     database_options(campaign)
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")

@@ -1,0 +1,180 @@
+"""``shardkit campaign --cluster``: a campaign's rounds as tasks on a real Ray cluster.
+
+The tests run against the cluster ``SHARDKIT_TEST_RAY_ADDRESS`` names: ``.ci/run`` starts a
+head and a worker node on 127.0.0.1, each its own ``ray start`` process with one CPU, from a
+virtual environment of their own. Without it (or without Ray here) they skip, unless
+``SHARDKIT_REQUIRE_RAY=1`` makes that a failure. Each campaign runs as its own process, as a
+user runs it, from a project folder outside the package that holds the engine's file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardkit._campaign.seeds import round_seed
+from shardkit._cli.main import main
+
+RAY_ADDRESS = os.environ.get("SHARDKIT_TEST_RAY_ADDRESS")
+RAY_REQUIRED = os.environ.get("SHARDKIT_REQUIRE_RAY") == "1"
+#: Seconds a campaign of these tests may take, joining the cluster included.
+CAMPAIGN_TIMEOUT_S = 300
+#: A planted bug every round finds and shrinks to one sequence (prefill, release).
+ENGINE_FILE = """\
+# A project's engine, as a user's file: the planted KV-token leak after release.
+from shardkit._planted import ReleaseLeaksKvTokens as Engine
+"""
+SMALL = ["--examples", "40", "--steps", "20"]
+
+
+def _missing() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError as error:
+        return f"Ray cannot be imported ({error}); pip install 'shardkit[ray]'"
+    if not RAY_ADDRESS:
+        return "no Ray cluster: SHARDKIT_TEST_RAY_ADDRESS is not set (.ci/run starts one)"
+    return None
+
+
+@pytest.fixture
+def cluster() -> str:
+    """The cluster's address; skipped without one, failed under ``SHARDKIT_REQUIRE_RAY=1``."""
+    problem = _missing()
+    if problem is not None:
+        if RAY_REQUIRED:
+            pytest.fail(f"SHARDKIT_REQUIRE_RAY=1, but {problem}", pytrace=False)
+        pytest.skip(problem)
+    assert RAY_ADDRESS is not None
+    return RAY_ADDRESS
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "engine.py").write_text(ENGINE_FILE, encoding="utf-8")
+    return folder
+
+
+def shardkit(folder: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``shardkit ARGV`` run in ``folder``, as a user types it there."""
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit", *argv],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=CAMPAIGN_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_a_campaign_on_the_cluster_runs_its_rounds_on_both_nodes_and_merges_them(cluster: str, project: Path) -> None:
+    ran = shardkit(project, "campaign", "engine.py:Engine", "--cluster", cluster, "--workers", "2", "--minutes", "0.05",
+                   "--seed", "7", *SMALL, "--report", "campaign.json")  # fmt: skip
+    assert ran.returncode == 1, (ran.stdout, ran.stderr)
+    lines = ran.stdout.splitlines()
+    assert lines[0] == f"shardkit campaign engine.py:Engine --workers 2 --minutes 0.05 --seed 7 --examples 40 --steps 20 --cluster {cluster}"
+    assert lines[1].startswith(f"campaign: 2 workers on the Ray cluster at {cluster} for 0.05 minutes: ")
+
+    document = json.loads((project / "campaign.json").read_text(encoding="utf-8"))
+    campaign = document["campaign"]
+    assert (campaign["cluster"], campaign["workers"], campaign["errors"], campaign["interrupted"]) == (cluster, 2, [], False)
+    # Each node has one CPU and a round asks for one: the two first rounds ran at once, one on each.
+    assert len(campaign["rounds_per_node"]) == 2, campaign["rounds_per_node"]
+    assert sum(campaign["rounds_per_node"].values()) == campaign["rounds"] == len(campaign["seeds"])
+    for entry in campaign["seeds"]:
+        assert entry["seed"] == round_seed(7, entry["worker"], entry["round"]), "the same seeds as on one machine"
+        assert entry["node"] in campaign["rounds_per_node"]
+
+    [failure] = document["failures"]
+    assert failure["property"] == "§2 metrics"
+    assert [step["op"] for step in failure["steps"]] == ["prefill", "release"]
+    assert {(found["worker"], found["round"]) for found in failure["found_in"]} >= {(1, 1), (2, 1)}
+
+    # The trace and regression test came home, under --out here, and name the engine's file here.
+    trace = project / failure["trace"]
+    assert trace.parent == project / ".shardkit" / "failures"
+    for written in (trace, project / failure["regression_test"]):
+        text = written.read_text(encoding="utf-8")
+        assert "_ray_pkg_" not in text, f"{written.name} names the node's copy of the folder"
+    assert json.loads(trace.read_text(encoding="utf-8"))["target_file"] == str(project / "engine.py")
+    assert f"this failure:    {failure['replay_command']}" in ran.stdout
+    replayed = shardkit(project, *shlex.split(failure["replay_command"])[1:])
+    assert replayed.returncode == 1, (replayed.stdout, replayed.stderr)
+    assert "§2 metrics" in replayed.stdout
+
+
+def test_a_round_found_on_the_cluster_reruns_alone_on_this_machine(cluster: str, project: Path) -> None:
+    ran = shardkit(project, "campaign", "engine.py:Engine", "--cluster", cluster, "--workers", "1", "--minutes", "0.01",
+                   "--seed", "3", *SMALL, "--report", "campaign.json")  # fmt: skip
+    assert ran.returncode == 1, (ran.stdout, ran.stderr)
+    [failure] = json.loads((project / "campaign.json").read_text(encoding="utf-8"))["failures"]
+    rerun = shlex.split(failure["rerun_command"])
+    assert rerun[:5] == ["shardkit", "fuzz", "engine.py:Engine", "--seed", str(round_seed(3, 1, 1))]
+    alone = shardkit(project, *rerun[1:], "--report", "alone.json", "--out", "alone")
+    assert alone.returncode == 1, (alone.stdout, alone.stderr)
+    [again] = json.loads((project / "alone.json").read_text(encoding="utf-8"))["failures"]
+    assert (again["property"], again["steps"]) == (failure["property"], failure["steps"])
+
+
+def test_an_engine_that_cannot_be_imported_on_a_node_is_one_line_naming_the_node(cluster: str, project: Path) -> None:
+    # Importable here; on a node, where it runs in the copy Ray made of this folder, it is not.
+    (project / "engine.py").write_text(
+        "from pathlib import Path\n"
+        "if Path.cwd().name.startswith('_ray_pkg_'):\n"
+        "    import a_package_the_nodes_lack  # noqa: F401\n" + ENGINE_FILE,
+        encoding="utf-8",
+    )
+    ran = shardkit(project, "campaign", "engine.py:Engine", "--cluster", cluster, "--workers", "1", "--minutes", "0.01", "--seed", "1")
+    assert ran.returncode == 2, (ran.stdout, ran.stderr)
+    [line] = ran.stderr.splitlines()
+    assert line.startswith("shardkit campaign: error: worker 1 round 1 (seed ")
+    assert re.search(r"\): on node \S+ \(node [0-9a-f]{8}\): engine target 'engine.py:Engine': importing", line), line
+    assert line.endswith("No module named 'a_package_the_nodes_lack'")
+    assert "Traceback" not in ran.stdout + ran.stderr
+
+
+# --- what is refused before any cluster is joined (no cluster needed) ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["--minutes", "1"], "--cluster needs --workers N"),
+        (["--workers", "2", "--minutes", "1", "--database", "examples"], "would be a separate folder on each node"),
+        (["--workers", "2", "--minutes", "1", "--cluster", "nowhere"], "is no Ray address"),
+        (["--workers", "2", "--minutes", "1", "--cluster", "127.0.0.1:1"], "nothing answers there"),
+    ],
+)
+def test_what_cannot_work_on_a_cluster_is_one_line_and_exit_2(
+    arguments: list[str], expected: str, project: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(project)
+    if "--cluster" not in arguments:
+        arguments = [*arguments, "--cluster", "127.0.0.1:1"]
+    code = main(["campaign", "engine.py:Engine", *arguments])
+    err = capsys.readouterr().err
+    assert code == 2
+    [line] = err.splitlines()
+    assert line.startswith("shardkit campaign: "), line
+    assert expected in line
+
+
+def test_an_engine_file_outside_the_shipped_folder_is_refused(
+    tmp_path: Path, project: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code = main(["campaign", "../project/engine.py:Engine", "--workers", "1", "--minutes", "1", "--cluster", "127.0.0.1:1"])
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert "ships this folder (elsewhere) to the nodes, and ../project/engine.py lies outside it" in line
