@@ -9,13 +9,19 @@ user runs it, from a project folder outside the package that holds the engine's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +148,104 @@ def test_an_engine_that_cannot_be_imported_on_a_node_is_one_line_naming_the_node
     assert "Traceback" not in ran.stdout + ran.stderr
 
 
+def test_a_failure_saved_by_one_node_is_replayed_first_by_rounds_on_every_node(cluster: str, project: Path) -> None:
+    redis_url = os.environ.get("SHARDKIT_TEST_REDIS_URL")
+    if not redis_url:
+        message = "SHARDKIT_TEST_REDIS_URL is unset: start redis-server and export redis://127.0.0.1:PORT/0 (.ci/run does)"
+        if os.environ.get("SHARDKIT_REQUIRE_REDIS") == "1":
+            pytest.fail(f"SHARDKIT_REQUIRE_REDIS=1, but {message}", pytrace=False)
+        pytest.skip(message)
+    # An engine file of its own: a name no other run has saved examples under.
+    engine = f"engine_{uuid.uuid4().hex[:12]}.py"
+    (project / "engine.py").rename(project / engine)
+    finding = ["campaign", f"{engine}:Engine", "--cluster", cluster, "--workers", "1", "--minutes", "0.01", "--seed", "5"]
+    found = shardkit(project, *finding, *SMALL, "--database", redis_url, "--report", "found.json")
+    assert found.returncode == 1, (found.stdout, found.stderr)
+    [finder] = json.loads((project / "found.json").read_text(encoding="utf-8"))["campaign"]["rounds_per_node"]
+
+    # Rounds of one example each, on both nodes: only a failure replayed from the database can be found.
+    one_example = ["campaign", f"{engine}:Engine", "--cluster", cluster, "--workers", "2", "--minutes", "0.01",
+                   "--seed", "6", "--examples", "1", "--steps", "20"]  # fmt: skip
+    control = shardkit(project, *one_example, "--report", "control.json")
+    assert control.returncode == 0, (control.stdout, control.stderr)
+    replayed = shardkit(project, *one_example, "--database", redis_url, "--report", "replayed.json")
+    assert replayed.returncode == 1, (replayed.stdout, replayed.stderr)
+    document = json.loads((project / "replayed.json").read_text(encoding="utf-8"))
+    nodes = document["campaign"]["rounds_per_node"]
+    assert len(nodes) == 2, nodes
+    assert set(nodes) - {finder}, "no round ran on a node other than the one that found the failure"
+    [failure] = document["failures"]
+    assert failure["found_in_rounds"] == document["campaign"]["rounds"], "a round did not replay the saved failure"
+    assert [step["op"] for step in failure["steps"]] == ["prefill", "release"]
+    assert document["examples"] == document["campaign"]["rounds"], "each round found it in its first example"
+
+
+def test_a_node_killed_mid_campaign_loses_no_round(cluster: str, project: Path, tmp_path: Path) -> None:
+    """A third node joins, runs a round, and is killed in the middle of it: Ray reruns that
+    round on a node that is left, from the same seed, and the report has every round."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    # A correct engine whose every construction says on which node it ran (the nodes share this disk).
+    (project / "engine.py").write_text(
+        "from pathlib import Path\n"
+        "import ray\n"
+        "from shardkit import FakeShardEngine\n"
+        "class Engine(FakeShardEngine):\n"
+        "    def __init__(self) -> None:\n"
+        "        super().__init__()\n"
+        f"        Path({str(markers)!r}, ray.get_runtime_context().get_node_id()).touch()\n",
+        encoding="utf-8",
+    )
+    before = set(alive_nodes(cluster))
+    victim = start_node(cluster)
+    try:
+        [victim_id] = wait_for(lambda: set(alive_nodes(cluster)) - before, "the third node to join")
+        arguments = ["campaign", "engine.py:Engine", "--cluster", cluster, "--workers", "3", "--minutes", "0.01",
+                     "--seed", "11", "--examples", "400", "--steps", "50", "--report", "campaign.json"]  # fmt: skip
+        running = subprocess.Popen([sys.executable, "-m", "shardkit", *arguments], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: (markers / victim_id).exists(), "a round to start on the third node")
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(timeout=60)
+            out, err = running.communicate(timeout=CAMPAIGN_TIMEOUT_S)
+        finally:
+            running.kill()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGKILL)
+    assert running.returncode == 0, (out, err)
+    campaign = json.loads((project / "campaign.json").read_text(encoding="utf-8"))["campaign"]
+    assert campaign["errors"] == []
+    assert [(entry["worker"], entry["round"]) for entry in campaign["seeds"]] == [(1, 1), (2, 1), (3, 1)]
+    assert not any(victim_id[:8] in node for node in campaign["rounds_per_node"]), "a round on the killed node was kept"
+    assert "no failure found in 3 rounds" in out
+
+
+def alive_nodes(cluster: str) -> list[str]:
+    """The ids of the cluster's live nodes, asked by a process of its own."""
+    script = "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); print(' '.join(n['NodeID'] for n in ray.nodes() if n['Alive']))"
+    asked = subprocess.run([sys.executable, "-c", script, cluster], capture_output=True, text=True, timeout=120, check=True)
+    return asked.stdout.split()
+
+
+def start_node(cluster: str) -> subprocess.Popen[str]:
+    """A worker node with one CPU, as its own ``ray start --block`` in a process group of its own."""
+    ray = os.environ.get("SHARDKIT_TEST_RAY_BIN") or str(Path(sys.executable).with_name("ray"))
+    command = [ray, "start", "--address", cluster, "--num-cpus", "1", "--object-store-memory", "100000000", "--disable-usage-stats", "--block"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+def wait_for(found: Callable[[], Any], what: str, seconds: float = 120) -> Any:
+    """``found()`` once it is true (pytest-timeout bounds the test as a whole)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        value = found()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"waited {seconds:g} s for {what}")
+
+
 # --- what is refused before any cluster is joined (no cluster needed) ----------------------------
 
 
@@ -178,3 +282,9 @@ def test_an_engine_file_outside_the_shipped_folder_is_refused(
     [line] = capsys.readouterr().err.splitlines()
     assert code == 2
     assert "ships this folder (elsewhere) to the nodes, and ../project/engine.py lies outside it" in line
+
+
+def test_bench_cluster_refuses_an_option_it_has_no_part_for(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--cluster", "--profile"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == "shardkit bench: --cluster measures only campaigns on Ray, and --profile has no part in it; drop one of the two"

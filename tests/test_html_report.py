@@ -13,6 +13,8 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -289,6 +291,43 @@ def test_a_planted_failure_renders_in_chromium(
     assert_run_facts(dom, document)
     assert png_size(rendered.screenshot) == (1280, 2000)
     assert rendered.screenshot.stat().st_size > 10_000  # a blank page compresses to far less
+
+
+def test_a_campaigns_page_is_rewritten_as_its_rounds_end_and_reloads_until_the_last(chromium: str, tmp_path: Path) -> None:
+    page = tmp_path / "campaign.html"
+    command = [sys.executable, "-m", "shardkit", "campaign", "shardkit._planted:ReleaseLeaksKvTokens", "--workers", "1",
+               "--minutes", "0.2", "--seed", "7", "--examples", "10", "--steps", "20", "--out", "out", "--html", str(page)]  # fmt: skip
+    running = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    snapshots: list[str] = []
+    try:
+        while running.poll() is None:  # pytest-timeout bounds this
+            text = page.read_text(encoding="utf-8") if page.exists() else ""
+            if 'http-equiv="refresh"' in text and text not in snapshots:
+                snapshots.append(text)
+            time.sleep(0.02)
+        out, err = running.communicate(timeout=60)
+    finally:
+        running.kill()
+    assert running.returncode == 1, (out, err)
+    assert snapshots, "the page was never rewritten while the campaign ran"
+    final = page.read_text(encoding="utf-8")
+    assert 'http-equiv="refresh"' not in final, "the last page reloads for ever"
+
+    # The first page a person could have opened, drawn by Chromium: the rounds so far and the failure so far.
+    live = tmp_path / "live.html"
+    live.write_text(snapshots[0], encoding="utf-8")
+    dom = open_in_chromium(chromium, live, tmp_path).dom
+    campaign = dom.one("section", id="campaign")
+    assert campaign.one("p", cls="live").text().startswith("running: the rounds finished so far")
+    facts = dict(zip((dt.text() for dt in campaign.find_all("dt")), (dd.text() for dd in campaign.find_all("dd")), strict=True))
+    assert facts["in_progress"] == "true"
+    rounds_so_far = int(facts["rounds"])
+    assert rounds_so_far >= 1
+    assert len(campaign.one("table", cls="seeds").find_all("tr")) == 1 + rounds_so_far
+    assert dom.one("p", cls="verdict").text() == "1 failure: §2 metrics"
+    final_facts = parse(final).one("section", id="campaign")
+    assert "in_progress" in final_facts.text()
+    assert "running: the rounds finished so far" not in final_facts.text()
 
 
 def test_a_race_renders_each_concurrency_lane_in_chromium(

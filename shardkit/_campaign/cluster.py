@@ -195,6 +195,15 @@ class _Rounds:
         except self.ray.exceptions.TaskCancelledError:
             self._tell(WorkerStopped(worker, interrupted=True))
             return
+        except self.ray.exceptions.RayTaskError as error:
+            # The round never ran: its node could not load it (no shardkit there, say). Every round would fail alike.
+            cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
+            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+            failed = WorkerFailed(worker, round_number, seed, f"a node could not start the round: {type(cause).__name__}: {reason}; install shardkit {__version__} on every node")
+            self.result.errors.append(failed)
+            self.stopping = True
+            self._tell(failed)
+            return
         except self.ray.exceptions.RayError as error:
             self._lost(worker, round_number, seed, error)
             return

@@ -105,6 +105,8 @@ class CampaignResult:
     command: str = ""
     #: The Ray cluster the rounds ran on (``--cluster``); None on one machine.
     cluster: str | None = None
+    #: Rounds are still running: the document is a snapshot (a live ``--html`` page).
+    in_progress: bool = False
 
     @property
     def failures(self) -> list[MergedFailure]:
@@ -156,6 +158,7 @@ class CampaignResult:
             ],
             "interrupted": self.interrupted,
             "errors": [error.error for error in self.errors],
+            "in_progress": self.in_progress,
         }
         if self.cluster is not None:
             document["campaign"]["cluster"] = self.cluster

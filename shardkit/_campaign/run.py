@@ -71,10 +71,15 @@ class CampaignPlan:
             raise ValueError("a campaign runs for some minutes or for some rounds per worker: give exactly one")
 
 
-def run_campaign(plan: CampaignPlan, on_event: Callable[[Event | None], None] | None = None) -> CampaignResult:
+def run_campaign(
+    plan: CampaignPlan,
+    on_event: Callable[[Event | None], None] | None = None,
+    on_round: Callable[[CampaignResult], None] | None = None,
+) -> CampaignResult:
     """Run the campaign; ``on_event`` sees every event of every worker as it arrives, and
-    ``None`` when a moment passed without one. A worker's error (an engine that cannot be
-    built) stops the campaign; ``result.errors`` holds it."""
+    ``None`` when a moment passed without one; ``on_round`` sees the result so far (marked
+    ``in_progress``) each time a round has finished. A worker's error (an engine that cannot
+    be built) stops the campaign; ``result.errors`` holds it."""
     result = CampaignResult(
         target=plan.target_name or plan.target,
         seed=plan.seed,
@@ -85,18 +90,29 @@ def run_campaign(plan: CampaignPlan, on_event: Callable[[Event | None], None] | 
         command=plan.command,
         cluster=plan.cluster,
     )
+    started = time.monotonic()
+
+    def tell(event: Event | None) -> None:
+        if on_event is not None:
+            on_event(event)
+        if on_round is not None and isinstance(event, RoundFinished):
+            result.elapsed_s = time.monotonic() - started
+            result.in_progress = True
+            try:
+                on_round(result)
+            finally:
+                result.in_progress = False
+
     if plan.cluster is not None:
         from shardkit._campaign.cluster import run_on_cluster
 
-        started = time.monotonic()
-        run_on_cluster(plan, plan.cluster, result, on_event)
+        run_on_cluster(plan, plan.cluster, result, tell)
         result.elapsed_s = time.monotonic() - started
         return result
     context = multiprocessing.get_context("spawn")
     events = context.Queue()
     stop = context.Event()
     deadline_passed = context.Event()
-    started = time.monotonic()
     deadline = started + plan.minutes * 60 if plan.minutes is not None else None
     backstop = time.time() + plan.minutes * 60 + BACKSTOP_S if plan.minutes is not None else None
     processes = {
@@ -113,7 +129,7 @@ def run_campaign(plan: CampaignPlan, on_event: Callable[[Event | None], None] | 
         )
         for worker in range(1, plan.workers + 1)
     }
-    gatherer = _Gatherer(processes, events, result, on_event)
+    gatherer = _Gatherer(processes, events, result, tell)
     try:
         with _children_ignore_ctrl_c():
             for process in processes.values():
@@ -255,6 +271,7 @@ def measure_campaign_work(
     workers: int,
     rounds_per_worker: int = 2,
     seed: int = 1,
+    cluster: str | None = None,
 ) -> CampaignWork:
     """One campaign of ``workers`` workers, each running the same fixed number of rounds (no
     clock involved: more workers, more work, the same work per worker), for ``shardkit bench``.
@@ -262,10 +279,11 @@ def measure_campaign_work(
     The time runs from the first round's start to the last round's end, over all workers:
     the workers' start-up (a fresh interpreter importing the kit) is left out, since a
     campaign of minutes pays it once. On N free cores, N workers' rate approaches N times
-    one worker's for an engine that holds no lock."""
+    one worker's for an engine that holds no lock. ``cluster``: the rounds run on that Ray
+    cluster, ``workers`` at a time (``shardkit bench --cluster``)."""
     options = options if options is not None else FuzzOptions(examples=50, steps=30)
     with tempfile.TemporaryDirectory(prefix="shardkit-campaign-bench-") as out:
-        plan = CampaignPlan(target, options, workers, seed, Path(out), rounds_per_worker=rounds_per_worker)
+        plan = CampaignPlan(target, options, workers, seed, Path(out), rounds_per_worker=rounds_per_worker, cluster=cluster)
         result = run_campaign(plan)
     if result.errors:
         raise RuntimeError(f"the campaign with {workers} workers failed: {result.errors[0].error}")

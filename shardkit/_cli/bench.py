@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,17 @@ def bench_command(args: argparse.Namespace) -> int:
     from shardkit._bench.render import render
     from shardkit._bench.run import run_bench
 
+    if args.cluster:
+        from shardkit._bench.cluster_scaling import measure_cluster_scaling, render_cluster_scaling
+
+        ignored = [flag for flag, given in (("--profile", args.profile), ("--memory", args.memory), ("--planted", args.planted != "shardkit._planted"), ("--planted-seeds", args.planted_seeds is not None)) if given]
+        if ignored:
+            raise UsageError(f"shardkit bench: --cluster measures only campaigns on Ray, and {ignored[0]} has no part in it; drop one of the two")
+        if importlib.util.find_spec("ray") is None:
+            raise UsageError("shardkit bench: --cluster needs Ray, which is not installed here; install it with pip install 'shardkit[ray]'")
+        cluster_figures = measure_cluster_scaling(bench_settings(args, None))
+        print(json.dumps(cluster_figures, indent=2) if args.json else render_cluster_scaling(cluster_figures))
+        return EXIT_OK
     planted = None if args.planted == "none" else args.planted
     if planted is not None:
         # Checked before minutes of measuring: a mistyped module is a usage error, not a skipped row.

@@ -56,8 +56,9 @@ def campaign_command(args: argparse.Namespace) -> int:
     plan = CampaignPlan(
         args.target, options, workers, seed, args.out, minutes=args.minutes, target_name=target.name, command=command, cluster=args.cluster
     )
+    live_page = _LivePage(write_html, args.html) if write_html is not None else None
     try:
-        result = run_campaign(plan, on_event)
+        result = run_campaign(plan, on_event, live_page)
     finally:
         view.clear()
     print(result.text())
@@ -116,6 +117,25 @@ def _command_line(options: Any, target: Target, workers: int, minutes: float, se
     fuzz_options = fuzz_line[len(fuzz_start) :]
     on_cluster = f" --cluster {shlex.quote(cluster)}" if cluster is not None else ""
     return f"shardkit campaign {shlex.quote(target.name)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}{on_cluster}"
+
+
+class _LivePage:
+    """``--html`` rewritten as each round ends, so that a person can watch a long campaign in
+    a browser (the page reloads itself while the campaign runs). A rewrite that fails is said
+    once; the final page is written, or its failure reported, as ever."""
+
+    def __init__(self, write_html: Any, path: Path) -> None:
+        self.write_html = write_html
+        self.path = path
+        self.warned = False
+
+    def __call__(self, result: Any) -> None:
+        try:
+            self.write_html(result.document(), self.path)
+        except (OSError, ValueError) as error:
+            if not self.warned:
+                self.warned = True
+                print(f"shardkit campaign: warning: could not rewrite --html {self.path} while running: {one_line(str(error))}", file=sys.stderr)
 
 
 def _html_writer() -> Any:

@@ -344,6 +344,8 @@ def build_parser() -> _Parser:
         action="store_true",
         help="measure peak RSS at 300 and 3000 examples of 100 steps (takes minutes) instead of --examples and five times as many",
     )
+    cluster = "instead of the sections: a campaign on Ray clusters of 1 and 2 worker nodes started here, next to local workers, and Ray's start-up (the ray extra)"
+    bench.add_argument("--cluster", action="store_true", help=cluster)
     bench.add_argument(
         "--planted",
         default="shardkit._planted",

@@ -43,6 +43,8 @@ OUTCOMES = (
 #: The keys every ``--report`` document has: what tells one apart from any other JSON.
 REQUIRED_KEYS = ("shardkit_version", "target", "coverage", "longest_session", "failures")
 HEAT_LEVELS = 5
+#: Seconds between two reloads of a campaign's page while the campaign rewrites it.
+LIVE_REFRESH_S = 10
 #: Tokens shown of a step's list (the rest counted), as the printed failure shows them.
 SHOWN_TOKENS = 8
 #: Longest timeline of a parallel phase drawn tick by tick; a longer one is drawn as lists.
@@ -82,6 +84,7 @@ def render_html(document: Mapping[str, Any]) -> str:
         f'<meta http-equiv="Content-Security-Policy" content="{CONTENT_POLICY}">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f'<meta name="generator" content="shardkit {_e(document.get("shardkit_version"))}">',
+        *_refresh(document),
         f"<title>shardkit report: {_e(target)}</title>",
         f"<style>{STYLE}</style>",
         "</head>",
@@ -153,25 +156,45 @@ def _summary(document: Mapping[str, Any], failures: Sequence[Mapping[str, Any]])
     )
 
 
+def _refresh(document: Mapping[str, Any]) -> list[str]:
+    """A campaign's page rewritten while it runs reloads itself, until the last rewrite."""
+    campaign = document.get("campaign")
+    if isinstance(campaign, Mapping) and campaign.get("in_progress") is True:
+        return [f'<meta http-equiv="refresh" content="{LIVE_REFRESH_S}">']
+    return []
+
+
 def _campaign(campaign: Mapping[str, Any]) -> str:
-    """The campaign's facts; its rounds' seeds as a table (worker, round, seed), each of
-    which reruns that round alone with ``shardkit fuzz --seed``."""
+    """The campaign's facts; its rounds' seeds as a table (worker, round, seed, and on a
+    cluster the node that ran it), each of which reruns that round alone with ``shardkit fuzz
+    --seed``; on a cluster, the rounds each node ran."""
     rows = "".join(
         f"<dt>{_e(key)}</dt><dd>{_e(_text(value))}</dd>"
         for key, value in campaign.items()
-        if key != "seeds" and not (key == "errors" and not value)
+        if key not in ("seeds", "rounds_per_node") and not (key == "errors" and not value)
     )
+    live = ""
+    if campaign.get("in_progress") is True:
+        live = f'<p class="live">running: the rounds finished so far; this page reloads every {LIVE_REFRESH_S} s</p>'
     seeds = campaign.get("seeds")
     table = ""
     if isinstance(seeds, list) and seeds:
+        entries = [entry for entry in seeds if isinstance(entry, Mapping)]
+        on_nodes = any("node" in entry for entry in entries)
         cells = "".join(
             f"<tr><td>{_e(_text(entry.get('worker')))}</td><td>{_e(_text(entry.get('round')))}</td>"
-            f'<td class="mono">{_e(_text(entry.get("seed")))}</td></tr>'
-            for entry in seeds
-            if isinstance(entry, Mapping)
+            f'<td class="mono">{_e(_text(entry.get("seed")))}</td>'
+            + (f'<td class="mono">{_e(_text(entry.get("node")))}</td>' if on_nodes else "")
+            + "</tr>"
+            for entry in entries
         )
-        table = f'<table class="seeds"><tr><th>worker</th><th>round</th><th>seed</th></tr>{cells}</table>'
-    return f'<section id="campaign"><h2>Campaign</h2><dl class="facts">{rows}</dl>{table}</section>'
+        node_head = "<th>node</th>" if on_nodes else ""
+        table = f'<table class="seeds"><tr><th>worker</th><th>round</th><th>seed</th>{node_head}</tr>{cells}</table>'
+    per_node = campaign.get("rounds_per_node")
+    if isinstance(per_node, Mapping) and per_node:
+        cells = "".join(f'<tr><td class="mono">{_e(node)}</td><td>{_e(_text(count))}</td></tr>' for node, count in per_node.items())
+        table += f'<table class="nodes"><tr><th>node</th><th>rounds</th></tr>{cells}</table>'
+    return f'<section id="campaign"><h2>Campaign</h2>{live}<dl class="facts">{rows}</dl>{table}</section>'
 
 
 # --- a failure ---------------------------------------------------------------------------------
