@@ -84,7 +84,7 @@ def shardkit(folder: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_campaign_on_the_cluster_runs_its_rounds_on_both_nodes_and_merges_them(cluster: str, project: Path) -> None:
     ran = shardkit(project, "campaign", "engine.py:Engine", "--cluster", cluster, "--workers", "2", "--minutes", "0.05",
-                   "--seed", "7", *SMALL, "--report", "campaign.json")  # fmt: skip
+                   "--seed", "7", *SMALL, "--report", "campaign.json", "--html", "campaign.html")  # fmt: skip
     assert ran.returncode == 1, (ran.stdout, ran.stderr)
     lines = ran.stdout.splitlines()
     assert lines[0] == f"shardkit campaign engine.py:Engine --workers 2 --minutes 0.05 --seed 7 --examples 40 --steps 20 --cluster {cluster}"
@@ -104,6 +104,11 @@ def test_a_campaign_on_the_cluster_runs_its_rounds_on_both_nodes_and_merges_them
     assert failure["property"] == "§2 metrics"
     assert [step["op"] for step in failure["steps"]] == ["prefill", "release"]
     assert {(found["worker"], found["round"]) for found in failure["found_in"]} >= {(1, 1), (2, 1)}
+    # The page: each round's node, and the rounds per node.
+    page = (project / "campaign.html").read_text(encoding="utf-8")
+    nodes_table = page.partition('<table class="nodes">')[2].partition("</table>")[0]
+    assert nodes_table.count("<tr>") == 1 + 2, "a header and a row per node"
+    assert page.partition('<table class="seeds">')[2].partition("</tr>")[0].endswith("<th>node</th>")
 
     # The trace and regression test came home, under --out here, and name the engine's file here.
     trace = project / failure["trace"]

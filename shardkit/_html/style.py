@@ -90,6 +90,8 @@ ul.notes { margin: 4px 0; padding-left: 20px; }
 dl.reproduce, dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 14px; margin: 6px 0; }
 dl.reproduce dt, dl.facts dt { color: var(--muted); }
 dl.reproduce dd, dl.facts dd { margin: 0; word-break: break-all; }
+table.seeds, table.nodes { border-collapse: collapse; margin: 8px 0; }
+table.seeds th, table.seeds td, table.nodes th, table.nodes td { padding: 2px 14px 2px 0; text-align: left; }
 .charts { display: flex; flex-wrap: wrap; gap: 8px 36px; align-items: flex-start; }
 .charts > section { flex: 0 1 auto; }
 table.heatmap th, table.heatmap td { padding: 4px 6px; text-align: center; font-variant-numeric: tabular-nums; }
