@@ -395,3 +395,24 @@ def test_campaign_work_is_measured_over_a_fixed_number_of_rounds() -> None:
     assert two.steps > one.steps > 0
     assert one.seconds > 0
     assert two.rate == two.steps / two.seconds
+
+
+def test_the_live_page_is_rewritten_when_the_first_round_ends_then_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from shardkit._cli import campaign as campaign_command
+
+    class Snapshot:
+        def __init__(self, rounds: int) -> None:
+            self.rounds = rounds
+
+        def document(self) -> dict[str, Any]:
+            return {"campaign": {"rounds": self.rounds}}
+
+    written: list[int] = []
+    page = campaign_command._LivePage(lambda document, path: written.append(document["campaign"]["rounds"]), tmp_path / "live.html")
+    every = campaign_command.LIVE_REWRITE_S
+    for rounds, at in enumerate((100.0, 100.1, 100.0 + every - 0.01, 100.0 + every, 100.0 + every + 1), start=1):
+        monkeypatch.setattr(campaign_command.time, "monotonic", lambda at=at: at)
+        page(Snapshot(rounds))
+    assert written == [1, 4]

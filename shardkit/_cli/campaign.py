@@ -119,17 +119,28 @@ def _command_line(options: Any, target: Target, workers: int, minutes: float, se
     return f"shardkit campaign {shlex.quote(target.name)} --workers {workers} --minutes {minutes:g} --seed {seed}{fuzz_options}{on_cluster}"
 
 
+#: Seconds between two rewrites of a campaign's live page: each merges every round so far, and
+#: a cluster's rounds may end many a second (the page itself reloads every 10 s).
+LIVE_REWRITE_S = 5.0
+
+
 class _LivePage:
-    """``--html`` rewritten as each round ends, so that a person can watch a long campaign in
-    a browser (the page reloads itself while the campaign runs). A rewrite that fails is said
-    once; the final page is written, or its failure reported, as ever."""
+    """``--html`` rewritten as rounds end (the first at once, then at most every
+    ``LIVE_REWRITE_S``), so that a person can watch a long campaign in a browser (the page
+    reloads itself while the campaign runs). A rewrite that fails is said once; the final
+    page is written, or its failure reported, as ever."""
 
     def __init__(self, write_html: Any, path: Path) -> None:
         self.write_html = write_html
         self.path = path
         self.warned = False
+        self.written_at: float | None = None
 
     def __call__(self, result: Any) -> None:
+        now = time.monotonic()
+        if self.written_at is not None and now - self.written_at < LIVE_REWRITE_S:
+            return
+        self.written_at = now
         try:
             self.write_html(result.document(), self.path)
         except (OSError, ValueError) as error:
