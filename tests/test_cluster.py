@@ -293,3 +293,18 @@ def test_bench_cluster_refuses_an_option_it_has_no_part_for(capsys: pytest.Captu
     assert main(["bench", "--cluster", "--profile"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line == "shardkit bench: --cluster measures only campaigns on Ray, and --profile has no part in it; drop one of the two"
+
+
+def test_a_node_without_the_redis_client_says_so_before_a_round_with_a_redis_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from shardkit import __version__
+    from shardkit._campaign.cluster import missing_on_node
+    from shardkit._run.options import FuzzOptions
+
+    with_redis = FuzzOptions(database="redis://127.0.0.1:6379/0")
+    assert missing_on_node(with_redis, "0.0.0") == f"shardkit {__version__} is installed, but the campaign was started with shardkit 0.0.0; install the same version on every node"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "redis" else real_find_spec(name, *rest))
+    assert missing_on_node(with_redis, __version__) == "--database redis://127.0.0.1:6379/0 needs the redis package on every node: pip install 'shardkit[ray,redis]' there"
+    assert missing_on_node(FuzzOptions(), __version__) is None

@@ -57,7 +57,7 @@ from shardkit._run.trace import write_atomically
 from shardkit._version import __version__
 from shardkit.errors import UsageError
 
-__all__ = ["CLUSTER_EXCLUDES", "ROUND_RETRIES", "check_cluster", "run_on_cluster"]
+__all__ = ["CLUSTER_EXCLUDES", "ROUND_RETRIES", "check_cluster", "missing_on_node", "run_on_cluster"]
 
 #: Times Ray reruns a round whose worker process or node died, before the round is reported lost.
 ROUND_RETRIES = 2
@@ -291,9 +291,9 @@ def _round_on_node(
 
     node = _node_name()
     seed = round_seed(campaign_seed, worker, round_number)
-    if driver_version != __version__:
-        message = f"on node {node}: shardkit {__version__} is installed, but the campaign was started with shardkit {driver_version}; install the same version on every node"
-        return _NodeRound(node, error=WorkerFailed(worker, round_number, seed, message))
+    missing = missing_on_node(options, driver_version)
+    if missing is not None:
+        return _NodeRound(node, error=WorkerFailed(worker, round_number, seed, f"on node {node}: {missing}"))
     with tempfile.TemporaryDirectory(prefix="shardkit-round-") as folder:
         started_at = time.time()
         try:
@@ -310,6 +310,16 @@ def _round_on_node(
             if path is not None and path.is_file()
         )
     return _NodeRound(node, outcome=dataclasses.replace(outcome, node=node), folder=folder, working_dir=os.getcwd(), files=files)
+
+
+def missing_on_node(options: FuzzOptions, driver_version: str) -> str | None:
+    """What this node lacks to run the campaign's rounds, said before a round starts."""
+    if driver_version != __version__:
+        return f"shardkit {__version__} is installed, but the campaign was started with shardkit {driver_version}; install the same version on every node"
+    database = options.database_choice
+    if database.kind == "redis" and importlib.util.find_spec("redis") is None:
+        return f"{database.source} {database.shown} needs the redis package on every node: pip install 'shardkit[ray,redis]' there"
+    return None
 
 
 def _node_name() -> str:
