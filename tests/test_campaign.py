@@ -168,9 +168,10 @@ def test_ctrl_c_stops_the_workers_and_keeps_what_they_found(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("arguments", "named"),
     [
-        (["--workers", "0"], "--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got '0'"),
+        (["--workers", "0"], "--workers must be a number of worker processes from 1 to 256 (rounds at a time on a --cluster: up to 100,000), e.g. --workers 2, got '0'"),
+        (["--workers", "257"], "--workers 257 on one machine: at most 256 worker processes (more rounds at a time only with --cluster)"),
         (["--workers", "two"], "got 'two'"),
-        (["--workers", "1000"], "got '1000'"),
+        (["--workers", "100001"], "got '100001'"),
         (["--minutes", "0"], "--minutes must be a positive number of minutes, e.g. --minutes 10 or --minutes 0.5, got '0'"),
         (["--minutes", "-1"], "got '-1'"),
         (["--minutes", "nan"], "got 'nan'"),

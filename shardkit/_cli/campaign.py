@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardkit._cli.parser import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, one_line, run_options
+from shardkit._cli.parser import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    LOCAL_WORKERS,
+    one_line,
+    run_options,
+)
 from shardkit._core.targets import PythonTarget, Target, parse_target
 from shardkit.errors import UsageError
 
@@ -30,6 +38,8 @@ def campaign_command(args: argparse.Namespace) -> int:
     options = run_options("campaign", args)
     if args.cluster is not None and args.workers is None:
         raise UsageError("shardkit campaign: --cluster needs --workers N, the rounds to keep running at once on the cluster (its CPUs, say)")
+    if args.cluster is None and args.workers is not None and args.workers > LOCAL_WORKERS:
+        raise UsageError(f"shardkit campaign: --workers {args.workers} on one machine: at most {LOCAL_WORKERS} worker processes (more rounds at a time only with --cluster)")
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     check_out_folder("campaign", args.out)

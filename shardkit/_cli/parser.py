@@ -121,10 +121,13 @@ def _seconds(text: str) -> float:
         raise _bad_value(f"--step-timeout must be a number of seconds, got {text!r}") from None
 
 
+LOCAL_WORKERS, CLUSTER_WORKERS = 256, 100_000  # a campaign's worker processes on one machine (far past any box's cores); rounds at a time on a cluster
+
+
 def _workers(text: str) -> int:
-    """``campaign --workers``: worker processes, each a fresh interpreter (256 is far past any box's cores)."""
-    if not text.isdigit() or not 1 <= int(text) <= 256:
-        raise _bad_value(f"--workers must be a number of worker processes from 1 to 256, e.g. --workers 2, got {text!r}")
+    """``campaign --workers``: worker processes (at most ``LOCAL_WORKERS``, checked with ``--cluster``), or rounds at a time on a cluster."""
+    if not text.isdigit() or not 1 <= int(text) <= CLUSTER_WORKERS:
+        raise _bad_value(f"--workers must be a number of worker processes from 1 to {LOCAL_WORKERS} (rounds at a time on a --cluster: up to {CLUSTER_WORKERS:,}), e.g. --workers 2, got {text!r}")
     return int(text)
 
 
@@ -290,8 +293,7 @@ def build_parser() -> _Parser:
     campaign.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where failure traces go ({DEFAULT_OUT})")
     campaign.add_argument("--report", type=Path, default=None, help="write the merged report (JSON) here")
     campaign.add_argument("--html", type=Path, default=None, help="write the merged report as an HTML page here")
-    cluster = "run the rounds as tasks on the Ray cluster at ADDRESS (HOST:PORT, ray://HOST:10001 or auto; the ray extra), --workers at a time"
-    campaign.add_argument("--cluster", default=None, metavar="ADDRESS", help=cluster)
+    campaign.add_argument("--cluster", default=None, metavar="ADDRESS", help="run the rounds as tasks on the Ray cluster at ADDRESS (HOST:PORT, ray://HOST:10001 or auto; the ray extra), --workers at a time")
     database_options(campaign)
 
     replay = commands.add_parser("replay", help="re-run a trace file without Hypothesis")
@@ -329,11 +331,7 @@ def build_parser() -> _Parser:
         default=None,
         help="rounds of each interleaved comparison (kit and bare, in-process and out of process); the median round is reported (3)",
     )
-    bench.add_argument(
-        "--quick",
-        action="store_true",
-        help="every section at small sizes, in well under a minute: checks that the bench runs; its figures say nothing about speed",
-    )
+    bench.add_argument("--quick", action="store_true", help="every section at small sizes, in well under a minute: checks that the bench runs; its figures say nothing about speed")
     bench.add_argument(
         "--profile",
         action="store_true",
@@ -344,8 +342,7 @@ def build_parser() -> _Parser:
         action="store_true",
         help="measure peak RSS at 300 and 3000 examples of 100 steps (takes minutes) instead of --examples and five times as many",
     )
-    cluster = "instead of the sections: a campaign on Ray clusters of 1 and 2 worker nodes started here, next to local workers, and Ray's start-up (the ray extra)"
-    bench.add_argument("--cluster", action="store_true", help=cluster)
+    bench.add_argument("--cluster", action="store_true", help="instead of the sections: a campaign on Ray clusters of 1 and 2 worker nodes started here, next to local workers, and Ray's start-up (the ray extra)")
     bench.add_argument(
         "--planted",
         default="shardkit._planted",
