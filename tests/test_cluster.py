@@ -308,3 +308,13 @@ def test_a_node_without_the_redis_client_says_so_before_a_round_with_a_redis_dat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "redis" else real_find_spec(name, *rest))
     assert missing_on_node(with_redis, __version__) == "--database redis://127.0.0.1:6379/0 needs the redis package on every node: pip install 'shardkit[ray,redis]' there"
     assert missing_on_node(FuzzOptions(), __version__) is None
+
+
+def test_an_engine_file_named_by_its_absolute_path_is_refused_naming_the_relative_one(
+    project: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(project)
+    code = main(["campaign", f"{project / 'engine.py'}:Engine", "--workers", "1", "--minutes", "1", "--cluster", "127.0.0.1:1"])
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert line.endswith("does not exist; name the engine's file from this folder: engine.py:Engine"), line

@@ -111,6 +111,11 @@ def _check_for_cluster(address: str, target: Target, options: Any) -> None:
             if not Path(file).resolve().is_relative_to(here):
                 message = f"shardkit campaign: --cluster ships this folder ({here.name}) to the nodes, and {file} lies outside it; start the campaign from a folder that holds the engine's file"
                 raise UsageError(message)
+            if Path(file).is_absolute():
+                relative = Path(file).resolve().relative_to(here).as_posix()
+                attribute = target.code.rpartition(":")[2]
+                message = f"shardkit campaign: --cluster: each node runs its own copy of this folder, where {file} does not exist; name the engine's file from this folder: {relative}:{attribute}"
+                raise UsageError(message)
     database = options.database_choice
     if database.kind == "directory":
         message = f"shardkit campaign: --cluster: the database folder {database.value} would be a separate folder on each node; name one every node reaches, --database redis://HOST:PORT/N"
