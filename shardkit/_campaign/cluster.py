@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -100,12 +101,15 @@ def run_on_cluster(
             ray.shutdown()
 
 
+#: What a campaign says when ``--cluster`` finds no Ray here.
+RAY_MISSING = "shardkit campaign: --cluster needs Ray, which cannot be imported here ({}); install it with pip install 'shardkit[ray]'"
+
+
 def _import_ray() -> Any:
     try:
         return importlib.import_module("ray")
     except ImportError as error:
-        message = f"shardkit campaign: --cluster needs Ray, which cannot be imported here ({error}); install it with pip install 'shardkit[ray]'"
-        raise UsageError(message) from None
+        raise UsageError(RAY_MISSING.format(error)) from None
 
 
 def _connect(ray: Any, address: str) -> None:
@@ -120,8 +124,7 @@ def _connect(ray: Any, address: str) -> None:
             configure_logging=True,
         )
     except (ConnectionError, RuntimeError, ValueError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        message = f"shardkit campaign: --cluster {address}: no Ray cluster could be joined there ({first}); start one with ray start --head, or name its address (HOST:PORT, ray://HOST:10001 or auto)"
+        message = f"shardkit campaign: --cluster {address}: no Ray cluster could be joined there ({_line_of(error)}); start one with ray start --head, or name its address (HOST:PORT, ray://HOST:10001 or auto)"
         raise UsageError(message) from None
 
 
@@ -129,8 +132,7 @@ def check_cluster(address: str) -> None:
     """Whether a campaign can join the cluster at ``address``, said before it starts: Ray is
     installed, and a ``HOST:PORT`` answers (Ray itself would retry for ever)."""
     if importlib.util.find_spec("ray") is None:
-        message = "shardkit campaign: --cluster needs Ray, which is not installed here; install it with pip install 'shardkit[ray]'"
-        raise UsageError(message)
+        raise UsageError(RAY_MISSING.format("it is not installed"))
     if address == "auto" or "://" in address:
         return  # Ray finds the local cluster, or its client connects with a timeout of its own
     host, colon, port_text = address.rpartition(":")
@@ -198,7 +200,7 @@ class _Rounds:
         except self.ray.exceptions.RayTaskError as error:
             # The round never ran: its node could not load it (no shardkit there, say). Every round would fail alike.
             cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+            reason = _line_of(cause, last=True)
             failed = WorkerFailed(worker, round_number, seed, f"a node could not start the round: {type(cause).__name__}: {reason}; install shardkit {__version__} on every node")
             self.result.errors.append(failed)
             self.stopping = True
@@ -221,7 +223,7 @@ class _Rounds:
         self._next(worker, round_number, stop=outcome.interrupted)
 
     def _lost(self, worker: int, round_number: int, seed: int, error: Exception) -> None:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = _line_of(error)
         rerun = self.plan.options.command(_target_of(self.plan), seed, None, None)
         message = f"round lost after {ROUND_RETRIES} retries ({type(error).__name__}: {reason}); rerun it alone with: {rerun}"
         lost = WorkerFailed(worker, round_number, seed, message)
@@ -243,6 +245,13 @@ class _Rounds:
             self.on_event(event)
 
 
+def _line_of(error: BaseException, *, last: bool = False) -> str:
+    """The first line of a (Ray's: many-lined) error message, or its last (a task's cause ends
+    its traceback with it); the error's type when it has no message."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return lines[-1] if last else lines[0]
+
+
 def _target_of(plan: Any) -> Any:
     from shardkit._core.targets import parse_target
 
@@ -261,22 +270,20 @@ def _bring_home(sent: _NodeRound, out: Path) -> RoundOutcome:
     moved: dict[str, str] = {}
     here = os.getcwd()
     for name, text in sent.files:
-        home = out / name
         if sent.working_dir:
             if name.endswith(".json"):
                 text = text.replace(json.dumps(sent.working_dir)[1:-1], json.dumps(here)[1:-1])
             else:
                 text = text.replace(repr(sent.working_dir)[1:-1], repr(here)[1:-1])
-        write_atomically(home, text)
-        moved[str(Path(sent.folder) / name)] = str(home)
+        moved[str(Path(sent.folder) / name)] = str(write_atomically(out / name, text))
     entry = dict(outcome.failure.entry)
     for key in ("trace", "regression_test"):
         if isinstance(entry.get(key), str) and entry[key] in moved:
             entry[key] = moved[entry[key]]
     replay = entry.get("replay_command")
     if isinstance(replay, str):
-        for there, here in moved.items():
-            replay = replay.replace(shlex.quote(there), shlex.quote(here))
+        for there, home in moved.items():
+            replay = replay.replace(shlex.quote(there), shlex.quote(home))
         entry["replay_command"] = replay
     failure = dataclasses.replace(outcome.failure, entry=entry)
     return dataclasses.replace(outcome, failure=failure)
@@ -322,9 +329,11 @@ def missing_on_node(options: FuzzOptions, driver_version: str) -> str | None:
     return None
 
 
+@functools.cache
 def _node_name() -> str:
     """``ADDRESS (node 1a2b3c4d)``, the node's address as the cluster knows it: nodes on one
-    host share an address, not an id."""
+    host share an address, not an id. Asked of the cluster once per worker process, which
+    Ray reuses for many rounds and never moves to another node."""
     ray = importlib.import_module("ray")
     node_id = ray.get_runtime_context().get_node_id()
     addresses = {node["NodeID"]: node.get("NodeManagerAddress") for node in ray.nodes()}
