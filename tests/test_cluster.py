@@ -27,6 +27,7 @@ import pytest
 
 from shardkit._campaign.seeds import round_seed
 from shardkit._cli.main import main
+from tests.test_database import shardkit_process
 
 RAY_ADDRESS = os.environ.get("SHARDKIT_TEST_RAY_ADDRESS")
 RAY_REQUIRED = os.environ.get("SHARDKIT_REQUIRE_RAY") == "1"
@@ -71,15 +72,8 @@ def project(tmp_path: Path) -> Path:
 
 
 def shardkit(folder: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    """``shardkit ARGV`` run in ``folder``, as a user types it there."""
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit", *argv],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=CAMPAIGN_TIMEOUT_S,
-        check=False,
-    )
+    """``shardkit ARGV`` run in ``folder``, as a user types it there (no database from the environment)."""
+    return shardkit_process(*argv, cwd=folder, timeout=CAMPAIGN_TIMEOUT_S)
 
 
 def test_a_campaign_on_the_cluster_runs_its_rounds_on_both_nodes_and_merges_them(cluster: str, project: Path) -> None:

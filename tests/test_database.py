@@ -92,7 +92,7 @@ def engine_file(folder: Path) -> str:
     return f"{path}:Engine"
 
 
-def shardkit_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def shardkit_process(*argv: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``shardkit`` in a process of its own, in ``cwd``, with no database from the environment."""
     cwd.mkdir(parents=True, exist_ok=True)
     env = {key: value for key, value in os.environ.items() if key not in DATABASE_VARIABLES}
@@ -102,7 +102,7 @@ def shardkit_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 
